@@ -1,0 +1,31 @@
+"""What the scheduler hands the model runner each step: only ints (STYLE habit 1); the runner builds tensors.
+
+One step computes, for each scheduled sequence, `token_ids` at positions `start_pos .. start_pos+len-1`,
+writing their KV into the slots given by `block_table` (slot = block_table[pos // block_size] * block_size +
+pos % block_size) and attending to every earlier position of the same sequence. Prefill, chunked prefill, decode
+and speculative verify are all this one shape.
+
+    positions:  0 ........ start_pos-1 | start_pos ... start_pos+len(token_ids)-1
+                (already in the cache)  | (computed this step)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    request_id: str
+    token_ids: list[int]        # tokens computed this step
+    start_pos: int              # num_computed_tokens before this step
+    block_table: list[int]      # block ids covering positions [0, start_pos + len(token_ids))
+    num_logits: int = 1         # how many trailing positions need logits (0: a non-final prefill chunk)
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    seqs: list[ScheduledSeq]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
