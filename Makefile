@@ -4,7 +4,7 @@ PIP ?= $(PY) -m pip
 # The CPU wheel first, so that nothing resolves torch to a CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install system-deps run test test-fast bench-quick proto clean
+.PHONY: install system-deps run test test-fast bench-quick proto proto-check clean
 
 system-deps:
 	@command -v redis-server >/dev/null 2>&1 || { \
@@ -26,6 +26,12 @@ test-fast:
 
 bench-quick:
 	$(PY) benchmarks/engine_throughput.py --quick
+
+proto:
+	$(PY) scripts/gen_proto.py
+
+proto-check:
+	$(PY) scripts/gen_proto.py --check
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache
