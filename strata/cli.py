@@ -1,0 +1,50 @@
+"""The `strata` command line."""
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+import typer
+
+app = typer.Typer(help="Strata: disaggregated LLM serving with a tiered, pooled KV-cache store.",
+                  no_args_is_help=True, add_completion=False)
+
+
+@app.callback()
+def main() -> None:
+    """Strata's command line."""
+
+
+@app.command()
+def generate(
+    prompt: str = typer.Argument(..., help="the prompt text"),
+    model: Optional[str] = typer.Option(None, help="model folder (default: the bundled strata-moe-tiny)"),
+    max_tokens: int = typer.Option(128, "--max-tokens", help="tokens to generate at most"),
+    temperature: float = typer.Option(0.0, help="0 = greedy"),
+    top_k: int = typer.Option(0, "--top-k", help="0 = off"),
+    top_p: float = typer.Option(1.0, "--top-p", help="1 = off"),
+    seed: Optional[int] = typer.Option(None, help="per-request sampling seed"),
+    stop: list[str] = typer.Option([], help="stop string (repeatable)"),
+    device: str = typer.Option("cpu", help="cpu, cuda or cuda:N"),
+    dtype: str = typer.Option("float32", help="float32, bfloat16 or float16"),
+) -> None:
+    """Generate a continuation of PROMPT, streaming it to stdout."""
+    from engine.sampling_params import SamplingParams
+    from strata.llm import LLM
+
+    try:
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                seed=seed, stop=tuple(stop))
+        llm = LLM(model, device=device, dtype=dtype)
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
+    sys.stdout.write(prompt)
+    for out in llm.stream(prompt, params):
+        sys.stdout.write(out.new_text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+
+
+if __name__ == "__main__":
+    app()

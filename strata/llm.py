@@ -1,0 +1,91 @@
+"""The offline API: `LLM(model_path).generate(prompts, sampling)`, and streaming of one prompt.
+
+This is where the engine and the store's block identity meet (DESIGN §1: `engine` never imports `kvstore`):
+the engine's block manager gets `kvstore.hashing.hash_block` and the namespace root injected here.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+from engine.llm_engine import LLMEngine
+from engine.model_runner import ModelRunner
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from kvstore.hashing import Namespace, hash_block
+from strata.config import CacheConfig, ModelConfig, SchedulerConfig
+from strata.paths import resolve_model
+
+
+def kv_namespace(runner: ModelRunner, cache_config: CacheConfig, dtype: str) -> Namespace:
+    """The block-hash namespace of a loaded model: weights, KV layout and dtype, tenant salt (DESIGN §3)."""
+    spec = runner.spec
+    layout = (f"block_major/L{spec.num_layers}/H{spec.num_kv_heads}/D{spec.head_dim}/B{cache_config.block_size}")
+    return Namespace(runner.fingerprint, layout, dtype, cache_config.cache_salt)
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """What a user sets, with the defaults of the embedded model (vLLM's `LLM(...)` keyword names)."""
+
+    model: str | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
+    block_size: int = 16
+    num_blocks: int = 2048
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    seed: int = 0
+    attention: str = "torch"
+
+    def configs(self) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
+        model = ModelConfig(resolve_model(self.model), self.device, self.dtype, self.seed)
+        cache = CacheConfig(self.block_size, self.num_blocks, self.enable_prefix_caching)
+        scheduler = SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len)
+        return model, cache, scheduler
+
+
+def build_engine(args: EngineArgs) -> LLMEngine:
+    model_config, cache_config, scheduler_config = args.configs()
+    runner = ModelRunner(model_config, cache_config, attention=args.attention)
+    namespace = kv_namespace(runner, cache_config, model_config.dtype)
+    return LLMEngine(runner, runner.tokenizer, cache_config, scheduler_config, hash_block,
+                     namespace.fingerprint(), seed=args.seed)
+
+
+class LLM:
+    """Offline generation on one in-process engine.
+
+    >>> llm = LLM()                                   # the bundled model
+    >>> llm.generate(["def fibonacci(n):"], SamplingParams(max_tokens=32))[0].text
+    """
+
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        self.args = EngineArgs(model=model, **kwargs)
+        self.engine = build_engine(self.args)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion in one continuous batch; final outputs in prompt order."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        return self.engine.generate(list(prompts), params)
+
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield each step's output of one request as it is produced (text deltas in `.new_text`)."""
+        request_id = f"stream-{next(self._ids)}"
+        self.engine.add_request(request_id, prompt if isinstance(prompt, str) else list(prompt), params)
+        try:
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.request_id == request_id:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            self.engine.abort(request_id)

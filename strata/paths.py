@@ -1,0 +1,27 @@
+"""Where the bundled files live, whether Strata runs from a checkout or an installed copy."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL_NAME = "strata-moe-tiny"
+DEFAULT_DRAFT_NAME = "strata-draft-tiny"
+
+
+def bundled_model(name: str = DEFAULT_MODEL_NAME) -> str:
+    """Path of a bundled model; `STRATA_MODELS` overrides the folder that holds them."""
+    base = Path(os.environ.get("STRATA_MODELS", REPO_ROOT / "models"))
+    return str(base / name)
+
+
+def resolve_model(model: str | None) -> str:
+    """A folder path as given, or the name of a bundled model, or the embedded default."""
+    if not model:
+        return bundled_model()
+    if Path(model).is_dir():
+        return model
+    candidate = Path(bundled_model(model))
+    if candidate.is_dir():
+        return str(candidate)
+    raise ValueError(f"model must be a local folder or a bundled model name ({DEFAULT_MODEL_NAME!r}), got {model!r}")
