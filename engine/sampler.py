@@ -1,0 +1,143 @@
+"""Batched sampling: greedy, temperature, top-k, top-p, with randomness keyed by (seed, output position).
+
+A seeded request draws the token at output position `pos` with one uniform number `u = U(seed, pos)` from a
+counter-based generator (splitmix64), by inverse-CDF over the row's filtered distribution. Nothing depends on a
+stream's state, so the same request gives the same tokens in any batch, on any worker, after a preemption or a
+failover mid-generation. Requests without a seed take `u` from the engine's RNG. Greedy rows are exactly argmax.
+
+Each row's arithmetic is independent of the other rows: weights are `exp(x - row max)` (elementwise), the CDF is a
+sequential cumsum, so a row's draw is bit-identical alone or in any batch.
+
+    candidates (top-k/top-p rows: the top K logits, best first):
+    | w0 | w1 | w2 | ... kept ... |  dropped (rank >= top_k, or mass before it >= top_p)  |
+    cdf:  c0   c1   c2 ...  c[n-1]    pick the first index with cdf > u * c[n-1]
+"""
+from __future__ import annotations
+
+import random
+from typing import Sequence
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def seeded_uniform(seed: int, position: int, stream: int = 0) -> float:
+    """A uniform in [0, 1) that depends only on (seed, position, stream); `stream` separates uses (e.g. a
+    speculative accept test from the draw itself)."""
+    x = _splitmix64(_splitmix64(_splitmix64(seed) ^ position) ^ stream)
+    return (x >> 11) * (1.0 / (1 << 53))
+
+
+class Sampler:
+    """`sample(logits, params, positions) -> token ids`; does not modify `logits`."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self._rng = random.Random(seed)
+
+    def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+               positions: Sequence[int]) -> list[int]:
+        """`logits` [rows, vocab]; `params[i]`, `positions[i]` (the output index being drawn) describe row i."""
+        assert logits.dim() == 2 and logits.shape[0] == len(params) == len(positions)
+        random_rows = [i for i, p in enumerate(params) if p.temperature != 0.0]
+        if not random_rows:
+            return _argmax(logits)
+        tokens = _argmax(logits) if len(random_rows) < len(params) else [0] * len(params)
+        vocab = logits.shape[1]
+        filtered = [i for i in random_rows if 0 < params[i].top_k < vocab or params[i].top_p < 1.0]
+        plain = [i for i in random_rows if not (0 < params[i].top_k < vocab or params[i].top_p < 1.0)]
+        for rows, draw in ((plain, self._draw_plain), (filtered, self._draw_filtered)):
+            if len(rows) == len(params):
+                return draw(logits, params, positions).view(-1).tolist()
+            if rows:
+                index = torch.tensor(rows, device=logits.device)
+                drawn = draw(logits.index_select(0, index), [params[i] for i in rows], [positions[i] for i in rows])
+                for i, token_id in zip(rows, drawn.view(-1).tolist()):
+                    tokens[i] = token_id
+        return tokens
+
+    def _uniforms(self, params: Sequence[SamplingParams], positions: Sequence[int],
+                  device: torch.device) -> torch.Tensor:
+        u = [seeded_uniform(p.seed, pos) if p.seed is not None else self._rng.random()
+             for p, pos in zip(params, positions)]
+        # NOTE: u <= 1 - 2**-20 keeps u * total strictly below total in float32: a zero-weight tail is never picked.
+        return torch.tensor(u, dtype=torch.float32, device=device).clamp_(max=1.0 - 2.0**-20).unsqueeze(1)
+
+    def _draw_plain(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+                    positions: Sequence[int]) -> torch.Tensor:
+        inv_t = 1.0 / _temperatures(params, logits.device)  # [rows, 1]
+        shift = logits.amax(dim=-1, keepdim=True).mul_(inv_t).neg_()  # [rows, 1]
+        w = torch.addcmul(shift, logits, inv_t).exp_()  # [rows, vocab] exp((x - max) / t), max weight 1
+        cdf = w.cumsum_(dim=-1)
+        return _inverse_cdf(cdf, self._uniforms(params, positions, logits.device) * cdf[:, -1:])
+
+    def _draw_filtered(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+                       positions: Sequence[int], num_candidates: int | None = None) -> torch.Tensor:
+        device = logits.device
+        scaled = logits / _temperatures(params, device)  # [rows, vocab]
+        vocab = scaled.shape[1]
+        ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]  # 0: no top-k
+        k_max = num_candidates or max(max(ks), _TOP_P_CANDIDATES if 0 in ks else 0)
+        candidates = min(vocab, k_max)
+        values, order = torch.topk(scaled, candidates, dim=-1)  # [rows, K], best first
+        w = (values - values[:, :1]).exp_()  # [rows, K]
+        ranks = torch.arange(candidates, device=device).unsqueeze(0)  # [1, K]
+        kk = torch.tensor([k or candidates for k in ks], device=device).unsqueeze(1)  # [rows, 1]
+        w.masked_fill_(ranks >= kk, 0.0)
+        cdf = torch.cumsum(w, dim=-1)  # [rows, K]
+        mass = _reference_mass(scaled, values, cdf, ks, kk)  # [rows, 1]
+        top_p = torch.tensor([p.top_p for p in params], device=device).unsqueeze(1)  # [rows, 1]
+        keep = ((cdf - w) < top_p * mass) & (ranks < kk)  # a prefix of each row; rank 0 always kept
+        num_kept = keep.sum(dim=-1, keepdim=True)  # [rows, 1]
+        target = self._uniforms(params, positions, device) * cdf.gather(1, num_kept - 1)  # [rows, 1]
+        picked = order.gather(1, _inverse_cdf(cdf, target))  # [rows, 1] token ids
+        if candidates < vocab:
+            # A top-p-only row whose nucleus does not end inside the candidates redraws over the whole vocabulary.
+            # (kk == candidates only for rows without top-k, as every top-k is <= candidates and full mass is theirs.)
+            short = ((cdf[:, -1:] < top_p * mass) & (kk == candidates)).squeeze(1).nonzero().squeeze(1).tolist()
+            if short:
+                index = torch.tensor(short, device=device)
+                picked.view(-1)[index] = self._draw_filtered(
+                    logits.index_select(0, index), [params[i] for i in short], [positions[i] for i in short], vocab)
+        return picked.squeeze(1)
+
+
+
+_TOP_P_CANDIDATES = 256  # top-p-only rows look here first; a wider nucleus falls back to the whole vocabulary
+
+
+def _reference_mass(scaled: torch.Tensor, values: torch.Tensor, cdf: torch.Tensor, ks: list[int],
+                    kk: torch.Tensor) -> torch.Tensor:
+    """[rows, 1]: top-p is relative to the top-k mass where top-k applies, else to the whole vocabulary's mass."""
+    mass = cdf.gather(1, kk - 1)  # [rows, 1]
+    full = [i for i, k in enumerate(ks) if k == 0]
+    if full:
+        index = torch.tensor(full, device=scaled.device)
+        rows = scaled.index_select(0, index)  # [n, vocab]
+        mass[index] = (rows - values[index, :1]).exp_().sum(dim=-1, keepdim=True)
+    return mass
+
+
+def _argmax(logits: torch.Tensor) -> list[int]:
+    """Row argmax, first index on ties. On CPU numpy's SIMD argmax is several times faster than torch's."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64, torch.float16):
+        return logits.detach().numpy().argmax(axis=-1).tolist()
+    return logits.argmax(dim=-1).tolist()
+
+
+def _temperatures(params: Sequence[SamplingParams], device: torch.device) -> torch.Tensor:
+    return torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device).unsqueeze(1)
+
+
+def _inverse_cdf(cdf: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """[rows, 1]: the first index whose cumulative weight exceeds target (zero-weight entries never win)."""
+    return torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[1] - 1)

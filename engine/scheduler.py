@@ -1,0 +1,225 @@
+"""Continuous batching with chunked prefill and preemption by recompute (DESIGN §8). Bookkeeping only.
+
+Each `schedule()` fills one token budget (`max_num_batched_tokens`):
+
+    1. running requests, decodes first, then unfinished (chunked) prefills, oldest first within each group;
+       when blocks run out, the newest running request is preempted (blocks freed, re-queued at the front);
+    2. waiting requests in order (preempted ones first), each taking its prefix-cache hit and a first chunk,
+       while the budget, `max_num_seqs` and the free blocks allow; skipped in a step that preempted.
+
+`update(step, sampled)` advances the counters of what ran, indexes newly full blocks, appends sampled tokens and
+finishes requests on eos / stop_token_ids / max_tokens / max_model_len. Stop strings are the caller's (text side),
+which ends a request with `finish_request`.
+"""
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from typing import Iterable, NamedTuple, Sequence
+
+from engine.batch import ScheduledSeq, StepBatch
+from engine.block_manager import BlockManager, cdiv
+from engine.request import Request, RequestStatus
+from strata.config import SchedulerConfig
+
+
+class ScheduledStep(NamedTuple):
+    batch: StepBatch
+    requests: list[Request]      # parallel to batch.seqs
+    preempted: list[Request]     # preempted while building this step (now waiting)
+
+
+class RequestUpdate(NamedTuple):
+    request: Request
+    new_token_ids: list[int]     # appended by this step (the request may now be finished)
+
+
+class _Plan:
+    __slots__ = ("budget", "planned", "preempted")
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.planned: dict[Request, int] = {}    # request -> tokens this step, in batch order
+        self.preempted: list[Request] = []
+
+
+def _arrival(request: Request) -> int:
+    return request.arrival_index
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 eos_token_ids: Iterable[int] = ()) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self._requests: dict[str, Request] = {}     # every unfinished request
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []           # sorted by arrival_index
+        self._next_arrival = 0
+
+    # ----- requests in and out
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request. Raises ValueError for a duplicate id or one that could never fit."""
+        if request.request_id in self._requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self._check_fits(request)
+        request.arrival_index = self._next_arrival
+        self._next_arrival += 1
+        request.status = RequestStatus.WAITING
+        self._requests[request.request_id] = request
+        self._waiting.append(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Finish a request at any time ('abort'); None if it is unknown or already finished."""
+        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        assert status.is_finished, f"{status} is not a finished status"
+        request = self._requests.get(request_id)
+        if request is None:
+            return None
+        self._finish(request, status)
+        return request
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    # ----- one step
+
+    def schedule(self) -> ScheduledStep:
+        plan = _Plan(self.config.max_num_batched_tokens)
+        # Decodes first (a stable sort keeps arrival order within each group).
+        for request in sorted(self._running, key=lambda r: r.num_computed_tokens < r.num_tokens - 1):
+            if plan.budget == 0:
+                break
+            if request.status is RequestStatus.RUNNING:   # not preempted earlier in this loop
+                self._schedule_running(request, plan)
+        if not plan.preempted or not self._running:
+            self._admit_waiting(plan)
+        return self._build(plan)
+
+    def update(self, step: ScheduledStep, sampled_token_ids: Sequence[Sequence[int]]) -> list[RequestUpdate]:
+        """`sampled_token_ids[i]` are the tokens sampled for `step.batch.seqs[i]` ([] where num_logits == 0)."""
+        updates: list[RequestUpdate] = []
+        for request, seq, sampled in zip(step.requests, step.batch.seqs, sampled_token_ids):
+            if request.status is not RequestStatus.RUNNING:
+                continue  # aborted since schedule()
+            request.num_computed_tokens += len(seq.token_ids)
+            self.block_manager.commit(request)
+            if seq.num_logits:
+                updates.append(RequestUpdate(request, self._append(request, sampled)))
+        return updates
+
+    # ----- steps of schedule()
+
+    def _schedule_running(self, request: Request, plan: _Plan) -> None:
+        remaining = request.num_tokens - request.num_computed_tokens
+        num_new = min(remaining, plan.budget)
+        if num_new < remaining and not self.config.enable_chunked_prefill:
+            return
+        while not self.block_manager.append_slots(request, num_new):
+            victim = self._running[-1]    # the newest request gives its blocks back
+            self._preempt(victim)
+            plan.preempted.append(victim)
+            plan.budget += plan.planned.pop(victim, 0)
+            if victim is request:
+                return
+        plan.planned[request] = num_new
+        plan.budget -= num_new
+
+    def _admit_waiting(self, plan: _Plan) -> None:
+        bm, chunked = self.block_manager, self.config.enable_chunked_prefill
+        while self._waiting and plan.budget > 0 and len(self._running) < self.config.max_num_seqs:
+            request = self._waiting[0]
+            prefix = bm.match_prefix(request)
+            remaining = request.num_tokens - prefix.num_tokens
+            num_new = min(remaining, plan.budget)
+            if num_new < remaining and not chunked:
+                return
+            if not bm.allocate(request, prefix, num_new):
+                return
+            self._waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            bisect.insort(self._running, request, key=_arrival)
+            plan.planned[request] = num_new
+            plan.budget -= num_new
+
+    def _build(self, plan: _Plan) -> ScheduledStep:
+        seqs: list[ScheduledSeq] = []
+        table = self.block_manager.block_table
+        for request, num_new in plan.planned.items():
+            start = request.num_computed_tokens
+            final = start + num_new == request.num_tokens
+            seqs.append(ScheduledSeq(request.request_id, request.token_ids[start:start + num_new], start,
+                                     list(table(request.request_id)), 1 if final else 0))
+        return ScheduledStep(StepBatch(seqs), list(plan.planned), plan.preempted)
+
+    def _preempt(self, request: Request) -> None:
+        self._running.remove(request)
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.PREEMPTED
+        self._waiting.appendleft(request)
+
+    # ----- finishing
+
+    def _append(self, request: Request, sampled: Sequence[int]) -> list[int]:
+        new: list[int] = []
+        for token_id in sampled:
+            request.append_output(token_id)
+            new.append(token_id)
+            status = self._stop_status(request, token_id)
+            if status is not None:
+                self._finish(request, status)
+                break
+        return new
+
+    def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.params
+        if (token_id in self.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request.status is RequestStatus.RUNNING:
+            self._running.remove(request)
+        else:
+            self._waiting.remove(request)
+        request.status = status
+        self.block_manager.free(request)
+        del self._requests[request.request_id]
+
+    def _check_fits(self, request: Request) -> None:
+        max_len = self.config.max_model_len
+        if request.num_tokens > max_len:
+            raise ValueError(f"request {request.request_id!r}: {request.num_tokens} prompt tokens exceed "
+                             f"max_model_len={max_len}")
+        # The last sampled token never needs a KV slot.
+        max_kv = min(request.num_tokens + request.params.max_tokens - 1, max_len)
+        need = cdiv(max_kv, self.block_manager.block_size)
+        if need > self.block_manager.num_blocks:
+            raise ValueError(f"request {request.request_id!r} needs up to {need} KV blocks, the cache has "
+                             f"{self.block_manager.num_blocks}: lower max_tokens or the prompt length")
+
+    def check_integrity(self) -> None:
+        self.block_manager.check_integrity()
+        assert all(r.status is RequestStatus.RUNNING for r in self._running)
+        assert all(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) for r in self._waiting)
+        assert len(self._running) + len(self._waiting) == len(self._requests)
+        assert [r.arrival_index for r in self._running] == sorted(r.arrival_index for r in self._running)

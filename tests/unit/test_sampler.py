@@ -1,0 +1,127 @@
+"""Sampler: greedy is argmax, seeded draws depend only on (seed, position), top-k/top-p restrict the support."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from engine.sampler import Sampler, seeded_uniform
+from engine.sampling_params import SamplingParams
+
+VOCAB = 50
+
+
+def make_logits(rows: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3  # [rows, vocab]
+
+
+def test_greedy_rows_are_exactly_argmax():
+    logits = make_logits(16)
+    greedy = SamplingParams(temperature=0.0)
+    hot = SamplingParams(temperature=1.5, seed=3)
+    params = [greedy if i % 3 else hot for i in range(16)]
+    tokens = Sampler().sample(logits, params, list(range(16)))
+    argmax = logits.argmax(dim=-1).tolist()
+    assert [t for t, p in zip(tokens, params) if p.greedy] == [a for a, p in zip(argmax, params) if p.greedy]
+    assert Sampler().sample(logits, [greedy] * 16, [0] * 16) == argmax
+
+
+def test_seeded_draw_is_independent_of_batch_composition():
+    """Row (seed=7, position=p) gives the same token alone, in a batch, at another row index, with neighbours
+    of other kinds (greedy, unseeded, filtered)."""
+    row = make_logits(1, seed=1)
+    others = make_logits(6, seed=2)
+    for params in (SamplingParams(temperature=1.0, seed=7),
+                   SamplingParams(temperature=0.7, top_k=10, seed=7),
+                   SamplingParams(temperature=1.3, top_p=0.8, seed=7)):
+        for position in range(5):
+            alone = Sampler(seed=1).sample(row, [params], [position])[0]
+            neighbours = [SamplingParams(), SamplingParams(temperature=1.0), SamplingParams(temperature=2.0, top_k=3),
+                          SamplingParams(temperature=1.0, seed=7), params, SamplingParams(top_p=0.5, temperature=1.0)]
+            batch = torch.cat([others[:3], row, others[3:]])
+            batched = Sampler(seed=99).sample(batch, neighbours[:3] + [params] + neighbours[3:],
+                                              [9, 9, 9, position, 9, 9, 9])
+            assert batched[3] == alone
+
+
+def test_seeded_draws_vary_with_position_and_seed():
+    logits = torch.zeros(1, VOCAB)  # uniform distribution
+    by_position = {Sampler().sample(logits, [SamplingParams(temperature=1.0, seed=5)], [p])[0] for p in range(100)}
+    by_seed = {Sampler().sample(logits, [SamplingParams(temperature=1.0, seed=s)], [0])[0] for s in range(100)}
+    assert len(by_position) > 30 and len(by_seed) > 30
+
+
+def test_seeded_uniform_is_a_pure_function_in_unit_interval():
+    values = [seeded_uniform(s, p) for s in range(20) for p in range(20)]
+    assert all(0.0 <= u < 1.0 for u in values)
+    assert len(set(values)) == len(values)
+    assert seeded_uniform(3, 4) == seeded_uniform(3, 4) != seeded_uniform(4, 3)
+    assert seeded_uniform(3, 4, stream=1) != seeded_uniform(3, 4)
+
+
+def test_unseeded_rows_follow_the_engine_rng():
+    logits = make_logits(8)
+    params = [SamplingParams(temperature=1.0)] * 8
+    assert Sampler(seed=11).sample(logits, params, [0] * 8) == Sampler(seed=11).sample(logits, params, [0] * 8)
+
+
+def test_top_k_restricts_support_to_k_largest():
+    logits = make_logits(1, seed=4)
+    top5 = set(torch.topk(logits[0], 5).indices.tolist())
+    params = [SamplingParams(temperature=2.0, top_k=5, seed=s) for s in range(300)]
+    tokens = Sampler().sample(logits.expand(300, VOCAB), params, [0] * 300)
+    assert set(tokens) == top5
+
+
+def test_top_p_keeps_smallest_set_reaching_p():
+    probs = torch.tensor([[0.05, 0.5, 0.15, 0.3]])
+    logits = probs.log()
+    for top_p, support in ((0.45, {1}), (0.75, {1, 3}), (0.85, {1, 3, 2}), (1.0, {0, 1, 2, 3})):
+        params = [SamplingParams(temperature=1.0, top_p=top_p, seed=s) for s in range(400)]
+        tokens = Sampler().sample(logits.expand(400, 4), params, [1] * 400)
+        assert set(tokens) == support, top_p
+
+
+def test_top_k_then_top_p_renormalises():
+    """top_k=3 leaves {1: .5, 3: .3, 2: .15} renormalised to {.53, .32, .16}; top_p=0.8 then keeps {1, 3}."""
+    logits = torch.tensor([[0.05, 0.5, 0.15, 0.3]]).log()
+    params = [SamplingParams(temperature=1.0, top_k=3, top_p=0.8, seed=s) for s in range(300)]
+    assert set(Sampler().sample(logits.expand(300, 4), params, [0] * 300)) == {1, 3}
+
+
+def test_temperature_sampling_matches_softmax_frequencies():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    n = 4000
+    params = [SamplingParams(temperature=1.0, seed=s) for s in range(n)]
+    tokens = Sampler().sample(logits.expand(n, 4), params, [0] * n)
+    expected = torch.softmax(logits[0], dim=-1).tolist()
+    for token_id, p in enumerate(expected):
+        observed = tokens.count(token_id) / n
+        assert abs(observed - p) < 4 * math.sqrt(p * (1 - p) / n), (token_id, observed, p)
+
+
+def test_masked_tokens_are_never_sampled():
+    logits = torch.full((1, VOCAB), float("-inf"))
+    logits[0, 17] = 0.0
+    params = [SamplingParams(temperature=1.0, seed=s) for s in range(50)]
+    assert set(Sampler().sample(logits.expand(50, VOCAB), params, [0] * 50)) == {17}
+
+
+def test_greedy_ties_take_the_first_index():
+    logits = torch.tensor([[0.0, 3.0, 3.0, 1.0], [5.0, 5.0, 5.0, 5.0]])
+    assert Sampler().sample(logits, [SamplingParams()] * 2, [0, 0]) == [1, 0]
+
+
+def test_wide_nucleus_falls_back_to_the_whole_vocabulary():
+    """A flat distribution's top-p nucleus is wider than the first 256 candidates: still exact and batch-free."""
+    logits = torch.linspace(0.0, 0.5, 1000).unsqueeze(0)  # [1, 1000], nearly flat, best tokens last
+    probs = torch.softmax(logits[0], dim=-1)
+    sorted_probs, order = torch.sort(probs, descending=True)
+    nucleus = set(order[(torch.cumsum(sorted_probs, 0) - sorted_probs) < 0.6].tolist())
+    n = 3000
+    params = [SamplingParams(temperature=1.0, top_p=0.6, seed=s) for s in range(n)]
+    tokens = Sampler().sample(logits.expand(n, 1000), params, [0] * n)
+    assert set(tokens) <= nucleus and len(set(tokens)) > 400
+    mixed = Sampler().sample(torch.cat([logits, logits]), [params[7], SamplingParams(temperature=1.0, top_k=600)],
+                             [0, 0])
+    assert mixed[0] == tokens[7]
