@@ -1,0 +1,188 @@
+"""The routing cost model: how long a prefix takes to load, the rest to compute, and the KV to reach decode.
+
+Pure arithmetic over a frozen config; no clocks, no I/O. `plan_prefix` picks, for one worker, how much of the
+cached prefix is worth loading (a block in a slow tier can cost more to fetch than to recompute):
+
+    blocks   | 0 .. k-1: load (own tier, shared tier, or a peer) | k .. n-1: recompute |
+    tokens   | cached_tokens = min(k * block_size, num_tokens)   | uncached            |
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Mapping, Sequence
+
+from router.index import TIERS, fastest_tier
+
+PEER = "peer"  # pseudo-tier: a block held only by another worker, read over the transfer engine
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class LinkCost:
+    """A read path: a fixed latency per request plus bytes / bandwidth. `bandwidth = inf` is free (device tier)."""
+
+    bandwidth_bytes_per_s: float
+    latency_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        _require(self.bandwidth_bytes_per_s > 0, f"bandwidth_bytes_per_s must be > 0, got {self.bandwidth_bytes_per_s}")
+        _require(self.latency_s >= 0, f"latency_s must be >= 0, got {self.latency_s}")
+
+    def seconds(self, num_bytes: float) -> float:
+        return self.latency_s + num_bytes / self.bandwidth_bytes_per_s
+
+
+@dataclass(frozen=True)
+class TierCosts:
+    """Read cost of each tier from the worker that uses it (defaults: PCIe host, NVMe, 10 GbE Redis, S3)."""
+
+    device: LinkCost = LinkCost(math.inf)
+    host: LinkCost = LinkCost(20e9, 50e-6)
+    disk: LinkCost = LinkCost(3e9, 200e-6)
+    redis: LinkCost = LinkCost(1.25e9, 500e-6)
+    s3: LinkCost = LinkCost(0.5e9, 20e-3)
+    peer: LinkCost = LinkCost(12.5e9, 100e-6)  # another worker's host or device tier over RDMA / TCP
+
+    def of(self, tier: str) -> LinkCost:
+        return getattr(self, tier)
+
+
+@dataclass(frozen=True)
+class CostModelConfig:
+    """What the policy assumes about the fleet. Defaults: a Llama-3-8B-class model in bf16.
+
+    recompute_weight: extra weight on prefill seconds beyond their share of this request's TTFT, because a
+        recompute also takes capacity from every later request (0 = greedy TTFT only).
+    load_slack, load_floor_s: the load guard. A worker whose recent work exceeds
+        (1 + load_slack) * mean recent work + load_floor_s is skipped while another worker is within bounds
+        (`load_slack = inf` turns the guard off).
+    local_prefill_max_uncached_tokens: conditional disaggregation. A prompt with at most this many tokens left to
+        compute on the best decode worker is prefilled there (no prefill hop, no KV transfer).
+    peer_fetch: whether a worker may load blocks that only its peers hold (pooled host tiers, DESIGN §5).
+    """
+
+    block_size: int = 16
+    prefill_tokens_per_s: float = 10_000.0
+    kv_bytes_per_token: int = 131_072
+    tiers: TierCosts = field(default_factory=TierCosts)
+    transfer: LinkCost = LinkCost(12.5e9, 100e-6)  # prefill -> decode KV hand-off
+    recompute_weight: float = 2.0
+    load_slack: float = 0.1
+    load_floor_s: float = 0.0
+    local_prefill_max_uncached_tokens: int = 512
+    peer_fetch: bool = False
+
+    def __post_init__(self) -> None:
+        _require(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
+        _require(self.prefill_tokens_per_s > 0, f"prefill_tokens_per_s must be > 0, got {self.prefill_tokens_per_s}")
+        _require(self.kv_bytes_per_token >= 0, f"kv_bytes_per_token must be >= 0, got {self.kv_bytes_per_token}")
+        _require(self.recompute_weight >= 0, f"recompute_weight must be >= 0, got {self.recompute_weight}")
+        _require(self.load_slack >= 0, f"load_slack must be >= 0 (inf disables the guard), got {self.load_slack}")
+        _require(self.load_floor_s >= 0, f"load_floor_s must be >= 0, got {self.load_floor_s}")
+        _require(self.local_prefill_max_uncached_tokens >= 0,
+                 f"local_prefill_max_uncached_tokens must be >= 0, got {self.local_prefill_max_uncached_tokens}")
+
+    @property
+    def block_bytes(self) -> int:
+        return self.kv_bytes_per_token * self.block_size
+
+    def prefill_s(self, tokens: int) -> float:
+        return tokens / self.prefill_tokens_per_s
+
+    def transfer_s(self, tokens: int) -> float:
+        return self.transfer.seconds(tokens * self.kv_bytes_per_token) if tokens else 0.0
+
+    def replace(self, **changes: object) -> "CostModelConfig":
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values.update(changes)
+        return CostModelConfig(**values)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class PrefixPlan:
+    """How one worker would serve a prompt's prefix: load `cached_blocks` (from `sources`), compute the rest."""
+
+    cached_blocks: int
+    cached_tokens: int
+    uncached_tokens: int
+    fetch_s: float
+    prefill_s: float
+    sources: tuple[tuple[str, int], ...]  # the loaded blocks as runs of (tier read from, block count)
+
+    @property
+    def ttft_s(self) -> float:
+        return self.fetch_s + self.prefill_s
+
+
+_FASTEST = tuple(fastest_tier(m) for m in range(1 << len(TIERS)))
+
+
+def block_sources(own: Mapping[int, int], shared: Sequence[int], pooled_blocks: int,
+                  peer_fetch: bool) -> list[tuple[str, int]]:
+    """Runs of (cheapest source, blocks) over the leading blocks a worker can get: its own tiers (`own[i]`, a tier
+    mask per block), a shared tier (`shared[i]`) or, with `peer_fetch`, a peer (every block inside the pooled run
+    is held by someone)."""
+    runs: list[tuple[str, int]] = []
+    last, count = None, 0
+    for i in range(pooled_blocks):
+        tier = _FASTEST[own.get(i, 0) | shared[i]]
+        if tier is None:
+            if not peer_fetch:
+                break
+            tier = PEER
+        if tier == last:
+            count += 1
+            continue
+        if last is not None:
+            runs.append((last, count))
+        last, count = tier, 1
+    if last is not None:
+        runs.append((last, count))
+    return runs
+
+
+def plan_prefix(config: CostModelConfig, sources: list[tuple[str, int]], num_tokens: int) -> PrefixPlan:
+    """Choose the cut k (load blocks [0, k), recompute the rest) with the least fetch + prefill time.
+
+    NOTE: inside one run the total is convex in k (linear fetch + a prefill term that flattens at num_tokens), so
+    only the run's first block, its last block and the flattening point need checking.
+    """
+    bs = config.block_size
+    kink = -(-num_tokens // bs)  # first k whose prefix covers every token
+    best = (config.prefill_s(num_tokens), 0)  # (total seconds, k)
+    k, used, fetch_at = 0, set(), [0.0]  # fetch_at[j]: fetch seconds of the first j runs
+    for tier, count in sources:
+        link = config.tiers.of(tier)
+        per_block = config.block_bytes / link.bandwidth_bytes_per_s
+        base = fetch_at[-1] + (0.0 if tier in used else link.latency_s)
+        used.add(tier)
+        for j in {1, count, kink - k} & set(range(1, count + 1)):
+            total = base + j * per_block + config.prefill_s(max(num_tokens - (k + j) * bs, 0))
+            if (total, k + j) < best:
+                best = (total, k + j)
+        k += count
+        fetch_at.append(base + count * per_block)
+    return _plan_at(config, sources, best[1], num_tokens)
+
+
+def _plan_at(config: CostModelConfig, sources: list[tuple[str, int]], k: int, num_tokens: int) -> PrefixPlan:
+    runs, left, fetch, used = [], k, 0.0, set()
+    for tier, count in sources:
+        if left == 0:
+            break
+        take = min(count, left)
+        link = config.tiers.of(tier)
+        fetch += take * config.block_bytes / link.bandwidth_bytes_per_s + (0.0 if tier in used else link.latency_s)
+        used.add(tier)
+        runs.append((tier, take))
+        left -= take
+    cached = min(k * config.block_size, num_tokens)
+    return PrefixPlan(k, cached, num_tokens - cached, fetch, config.prefill_s(num_tokens - cached), tuple(runs))
+
+
+__all__ = ["PEER", "TIERS", "LinkCost", "TierCosts", "CostModelConfig", "PrefixPlan", "block_sources", "plan_prefix"]

@@ -1,0 +1,217 @@
+"""Routing policies (DESIGN §2 step 2): pure functions of (request, index match, load view, cost model).
+
+Every policy has the same signature and is looked up by the name users write in config:
+
+    decision = get_policy("kv_aware")(request, index.match(request.block_hashes), load_view, cost_config)
+
+`kv_aware` predicts time to first token for each (prefill, decode) pair:
+
+    ttft(p, d) = backlog(p) + fetch(p: cached prefix from the fastest tier, a shared tier or a peer)
+               + prefill(p: uncached tokens) + transfer(p -> d: KV bytes of the prompt, 0 when p == d)
+
+and picks the pair with the lowest ttft + recompute_weight * prefill (a recompute also costs later requests
+capacity), among the workers the load guard allows (recent work within (1 + slack) x the mean), ties broken by
+load, then worker id. Short or almost fully cached prompts prefill on their decode worker (conditional
+disaggregation). Cache salt needs no code here: a different salt gives different block hashes (DESIGN §3), so a
+tenant's blocks never match another tenant's query.
+"""
+from __future__ import annotations
+
+import math
+import random as _random
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from router.cost_model import CostModelConfig, PrefixPlan, block_sources, plan_prefix
+from router.index import BlockKey, MatchResult, WorkerId
+from router.load import LoadView, WorkerLoad
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """What the router knows about a request when it routes it. `seq` numbers requests (round-robin, random)."""
+
+    block_hashes: tuple[BlockKey, ...]
+    num_tokens: int
+    seq: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {self.num_tokens}")
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    """Where a request goes. `disaggregated` is prefill_worker != decode_worker; `cached_tokens` are the prompt
+    tokens the prefill worker is predicted to load rather than compute; `reason` is for logs and operators."""
+
+    prefill_worker: WorkerId
+    decode_worker: WorkerId
+    disaggregated: bool
+    predicted_ttft_s: float
+    cached_tokens: int
+    reason: str
+
+
+Policy = Callable[[RouteRequest, MatchResult, LoadView, CostModelConfig], RouteDecision]
+
+
+class NoWorkerError(RuntimeError):
+    """No worker can take the request (no prefill-capable or no decode-capable worker in the load view)."""
+
+
+# ----------------------------------------------------------------------------------------------------- helpers
+
+def _plan(request: RouteRequest, match: MatchResult, worker_id: WorkerId, config: CostModelConfig) -> PrefixPlan:
+    sources = block_sources(match.local.get(worker_id, {}), match.shared_masks, match.pooled_blocks, config.peer_fetch)
+    return plan_prefix(config, sources, request.num_tokens)
+
+
+def _plans(request: RouteRequest, match: MatchResult, workers: Sequence[WorkerLoad],
+           config: CostModelConfig) -> dict[WorkerId, PrefixPlan]:
+    """One plan per worker; workers holding none of the blocks themselves share one (shared tiers and peers only)."""
+    plans: dict[WorkerId, PrefixPlan] = {}
+    anonymous: PrefixPlan | None = None
+    for w in workers:
+        if w.worker_id in match.local:
+            plans[w.worker_id] = _plan(request, match, w.worker_id, config)
+        else:
+            anonymous = anonymous or _plan(request, match, w.worker_id, config)
+            plans[w.worker_id] = anonymous
+    return plans
+
+
+def _load_key(w: WorkerLoad) -> tuple:
+    """Tie-break order: least recent work, then least backlog, then shortest queue, then worker id."""
+    return (w.recent_busy_s, w.backlog_s, w.queue_len, w.worker_id)
+
+
+def _momentary_key(w: WorkerLoad) -> tuple:
+    return (w.backlog_s, w.queue_len, w.recent_busy_s, w.worker_id)
+
+
+def _within_guard(workers: Sequence[WorkerLoad], config: CostModelConfig) -> tuple[WorkerLoad, ...]:
+    """The load guard: workers whose recent work is within (1 + slack) * mean + floor. Never empty.
+
+    NOTE: it bounds recent work (a decayed sum of the seconds assigned, queued work included), not the momentary
+    backlog: the backlog is already a term of the predicted TTFT, while a hot prefix makes its holders the cheapest
+    choice for every request at every moment, so only a long-run share stops it from starving the other workers.
+    """
+    if math.isinf(config.load_slack):
+        return tuple(workers)
+    mean = sum(w.recent_busy_s for w in workers) / len(workers)
+    bound = (1.0 + config.load_slack) * mean + config.load_floor_s
+    allowed = tuple(w for w in workers if w.recent_busy_s <= bound)
+    return allowed or (min(workers, key=_load_key),)
+
+
+def _candidates(load: LoadView) -> tuple[tuple[WorkerLoad, ...], tuple[WorkerLoad, ...]]:
+    prefill, decode = load.prefill_workers(), load.decode_workers()
+    if not prefill or not decode:
+        raise NoWorkerError(f"need a prefill-capable and a decode-capable worker in the load view, "
+                            f"have {len(prefill)} and {len(decode)}")
+    return prefill, decode
+
+
+def _decision(request: RouteRequest, match: MatchResult, p: WorkerLoad, d: WorkerLoad, config: CostModelConfig,
+              reason: str) -> RouteDecision:
+    plan = _plan(request, match, p.worker_id, config)
+    ttft = p.backlog_s + plan.ttft_s + (0.0 if p.worker_id == d.worker_id else config.transfer_s(request.num_tokens))
+    return RouteDecision(p.worker_id, d.worker_id, p.worker_id != d.worker_id, ttft, plan.cached_tokens, reason)
+
+
+# ----------------------------------------------------------------------------------------------------- kv_aware
+
+def _best_by_cost(workers: Sequence[WorkerLoad], plans: dict[WorkerId, PrefixPlan], config: CostModelConfig,
+                  hop_s: float, hop_free: WorkerId | None) -> tuple[tuple, WorkerLoad, float]:
+    """(score, worker, ttft) of the worker with the least ttft + recompute_weight * prefill. The P->D hop costs
+    `hop_s` unless the worker is `hop_free` (or `hop_free` is None: prefill on the decode worker itself)."""
+    best = None
+    for w in workers:
+        plan = plans[w.worker_id]
+        hop = 0.0 if hop_free in (None, w.worker_id) else hop_s
+        ttft = w.backlog_s + plan.ttft_s + hop
+        key = (ttft + config.recompute_weight * plan.prefill_s, _load_key(w))
+        if best is None or key < best[0]:
+            best = (key, w, ttft)
+    assert best is not None
+    return best
+
+
+def kv_aware(request: RouteRequest, match: MatchResult, load: LoadView, config: CostModelConfig) -> RouteDecision:
+    """Cache- and load-aware choice with a load guard and conditional disaggregation (module docstring).
+
+    1. local: the best decode-capable worker prefilling the request itself (no hop). Taken outright when at most
+       `local_prefill_max_uncached_tokens` tokens remain to compute there (short or almost fully cached prompts).
+    2. pair: decode on the least loaded decoder d, prefill on the best prefill worker p (+ the P->D hop if p != d).
+       Taken when it scores better than local; a tie stays local.
+    """
+    prefill, decode = _candidates(load)
+    plans = _plans(request, match, load.workers, config)
+    allowed_d = _within_guard(decode, config)
+    local_key, local, local_ttft = _best_by_cost(allowed_d, plans, config, 0.0, None)
+    local_plan = plans[local.worker_id]
+    if local_plan.uncached_tokens <= config.local_prefill_max_uncached_tokens:
+        return RouteDecision(local.worker_id, local.worker_id, False, local_ttft, local_plan.cached_tokens,
+                             f"local prefill: {local_plan.uncached_tokens} uncached tokens "
+                             f"<= {config.local_prefill_max_uncached_tokens}")
+    d = min(allowed_d, key=_momentary_key)
+    allowed_p = _within_guard(prefill, config)
+    pair_key, p, ttft = _best_by_cost(allowed_p, plans, config, config.transfer_s(request.num_tokens), d.worker_id)
+    if local.can_prefill and local_key[0] <= pair_key[0]:
+        p, d, ttft = local, local, local_ttft
+    plan = plans[p.worker_id]
+    return RouteDecision(p.worker_id, d.worker_id, p.worker_id != d.worker_id, ttft, plan.cached_tokens,
+                         f"cached {plan.cached_blocks}/{len(request.block_hashes)} blocks "
+                         f"({'+'.join(sorted({t for t, _ in plan.sources})) or 'none'}); "
+                         f"load guard skipped {len(prefill) - len(allowed_p)} of {len(prefill)}")
+
+
+# ------------------------------------------------------------------------------------------- simple baselines
+
+def round_robin(request: RouteRequest, match: MatchResult, load: LoadView, config: CostModelConfig) -> RouteDecision:
+    """The `seq`-th prefill worker in id order; decode on the same worker when it can, else the `seq`-th decoder."""
+    prefill, decode = _candidates(load)
+    p = prefill[request.seq % len(prefill)]
+    d = p if p.can_decode else decode[request.seq % len(decode)]
+    return _decision(request, match, p, d, config, f"round robin #{request.seq}")
+
+
+def least_loaded(request: RouteRequest, match: MatchResult, load: LoadView, config: CostModelConfig) -> RouteDecision:
+    """The least loaded prefill worker (backlog, queue, recent work, id); decode there when it can."""
+    prefill, decode = _candidates(load)
+    p = min(prefill, key=_momentary_key)
+    d = p if p.can_decode else min(decode, key=_momentary_key)
+    return _decision(request, match, p, d, config, f"least loaded: backlog {p.backlog_s:.3f}s")
+
+
+def make_random(seed: int) -> Policy:
+    """A uniformly random policy that is still a pure function: the draw depends only on (seed, request.seq)."""
+
+    def random_policy(request: RouteRequest, match: MatchResult, load: LoadView,
+                      config: CostModelConfig) -> RouteDecision:
+        prefill, decode = _candidates(load)
+        rng = _random.Random(seed * 1_000_003 + request.seq)
+        p = rng.choice(prefill)
+        d = p if p.can_decode else rng.choice(decode)
+        return _decision(request, match, p, d, config, f"random (seed {seed})")
+
+    return random_policy
+
+
+POLICIES: dict[str, Policy] = {
+    "kv_aware": kv_aware,
+    "round_robin": round_robin,
+    "least_loaded": least_loaded,
+    "random": make_random(0),
+}
+
+
+def get_policy(name: str, seed: int | None = None) -> Policy:
+    """The policy registered under `name`; `seed` picks the stream of `random`."""
+    if name == "random" and seed is not None:
+        return make_random(seed)
+    try:
+        return POLICIES[name]
+    except KeyError:
+        raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {name!r}") from None

@@ -1,0 +1,251 @@
+"""Routing policies: pure functions of (request, index match, load view, cost model) (DESIGN §2 step 2)."""
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+
+from kvstore.events import BlockStored, KVEventBatch
+from kvstore.hashing import Namespace, hash_blocks
+from router.cost_model import CostModelConfig, LinkCost, TierCosts, block_sources, plan_prefix
+from router.index import PrefixIndex, WorkerId
+from router.load import LoadView, WorkerLoad
+from router.policy import (
+    POLICIES,
+    NoWorkerError,
+    RouteRequest,
+    get_policy,
+    kv_aware,
+    least_loaded,
+    round_robin,
+)
+
+BS = 4  # tokens per block in these tests
+# 1,000 tokens/s: a block of 4 tokens takes 4 ms to compute; no KV bytes, so transfers are free unless a test says.
+CFG = CostModelConfig(block_size=BS, prefill_tokens_per_s=1000.0, kv_bytes_per_token=0,
+                      local_prefill_max_uncached_tokens=0)
+
+
+def h(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+def chain(ids) -> tuple[bytes, ...]:
+    return tuple(h(i) for i in ids)
+
+
+def make_index(seq: int = 0, **holdings) -> PrefixIndex:
+    """`make_index(w0=[0, 1, 2])`: each worker holds those blocks in its device tier; `w0=([0, 1], "host")`."""
+    index = PrefixIndex()
+    for worker, held in holdings.items():
+        ids, medium = held if isinstance(held, tuple) else (held, "GPU")
+        index.apply(WorkerId(worker), KVEventBatch(0.0, [BlockStored(list(chain(ids)), None, [], BS, None, medium)]),
+                    seq)
+    return index
+
+
+def make_load(n: int = 3, role: str = "both", prefix: str = "w", **fields) -> list[WorkerLoad]:
+    """n workers; `backlog_s={"w1": 2.0}`, `recent_busy_s={...}` override per worker."""
+    out = []
+    for i in range(n):
+        wid = WorkerId(f"{prefix}{i}")
+        out.append(WorkerLoad(wid, role, backlog_s=fields.get("backlog_s", {}).get(wid, 0.0),
+                              recent_busy_s=fields.get("recent_busy_s", {}).get(wid, 0.0)))
+    return out
+
+
+def make_request(num_blocks: int = 8, seq: int = 0, start: int = 0) -> RouteRequest:
+    return RouteRequest(chain(range(start, start + num_blocks)), num_blocks * BS, seq)
+
+
+def route(policy, request, index, loads, config=CFG):
+    return policy(request, index.match(request.block_hashes), LoadView.of(loads), config)
+
+
+# ---------------------------------------------------------------------------------------------------- kv_aware
+
+def test_kv_aware_picks_the_worker_with_the_cached_prefix():
+    index = make_index(w0=[0, 1], w1=[0, 1, 2, 3, 4, 5], w2=[0])
+    d = route(kv_aware, make_request(8), index, make_load(3))
+    assert (d.prefill_worker, d.decode_worker, d.disaggregated) == ("w1", "w1", False)
+    assert d.cached_tokens == 6 * BS
+    assert d.predicted_ttft_s == pytest.approx(2 * BS / 1000.0)  # the 2 uncached blocks
+
+
+def test_kv_aware_predicted_ttft_adds_queue_wait_and_transfer():
+    cfg = CFG.replace(kv_bytes_per_token=1000, transfer=LinkCost(1e6, 0.001))
+    loads = [WorkerLoad(WorkerId("p1"), "prefill", backlog_s=0.5), WorkerLoad(WorkerId("d1"), "decode")]
+    index = make_index(p1=[0, 1, 2, 3, 4, 5])
+    d = route(kv_aware, make_request(8), index, loads, cfg)
+    # 0.5 s queue + 8 uncached tokens at 1,000/s + transfer of 32 tokens x 1,000 B at 1 MB/s + 1 ms latency
+    assert (d.prefill_worker, d.decode_worker, d.disaggregated) == ("p1", "d1", True)
+    assert d.predicted_ttft_s == pytest.approx(0.5 + 0.008 + 0.032 + 0.001)
+
+
+def test_kv_aware_leaves_a_cache_holder_whose_queue_costs_more_than_the_recompute():
+    index = make_index(w0=[0, 1, 2, 3, 4, 5, 6, 7])
+    cfg = CFG.replace(recompute_weight=0.0)
+    near = route(kv_aware, make_request(8), index, make_load(2, backlog_s={"w0": 0.02}), cfg)
+    far = route(kv_aware, make_request(8), index, make_load(2, backlog_s={"w0": 0.05}), cfg)
+    assert near.prefill_worker == "w0"  # 20 ms wait < 32 ms of recompute
+    assert far.prefill_worker == "w1" and far.cached_tokens == 0
+
+
+def test_recompute_weight_keeps_requests_on_the_cache_longer():
+    index = make_index(w0=[0, 1, 2, 3, 4, 5, 6, 7])
+    d = route(kv_aware, make_request(8), index, make_load(2, backlog_s={"w0": 0.05}), CFG.replace(recompute_weight=1))
+    assert d.prefill_worker == "w0"  # 50 ms wait < 32 ms x (1 + 1)
+
+
+def test_kv_aware_cold_request_goes_to_the_least_loaded_then_lowest_id():
+    index = make_index()
+    assert route(kv_aware, make_request(4), index, make_load(3, recent_busy_s={"w0": 5, "w1": 1, "w2": 1})
+                 ).prefill_worker == "w1"
+    assert route(kv_aware, make_request(4), index, make_load(3)).prefill_worker == "w0"
+
+
+def test_load_guard_skips_an_overloaded_holder():
+    index = make_index(w0=[0, 1, 2, 3, 4, 5, 6, 7])
+    busy = {"w0": 10.0, "w1": 4.0, "w2": 4.0}  # mean 6; w0 is above 1.1 x 6
+    assert route(kv_aware, make_request(8), index, make_load(3, recent_busy_s=busy)).prefill_worker == "w1"
+    no_guard = CFG.replace(load_slack=math.inf)
+    assert route(kv_aware, make_request(8), index, make_load(3, recent_busy_s=busy), no_guard).prefill_worker == "w0"
+
+
+def _replay_hot_prefix(config: CostModelConfig, n_requests: int = 80) -> Counter:
+    """Every request: the same 6-block hot prefix + 2 blocks of its own. Workers publish what they compute and
+    accumulate the work they are given, as the router's load view would show."""
+    index, busy, seq = PrefixIndex(), Counter(), Counter()
+    for r in range(n_requests):
+        ids = list(range(6)) + [1000 + 2 * r, 1001 + 2 * r]
+        request = RouteRequest(chain(ids), len(ids) * BS, r)
+        loads = [WorkerLoad(WorkerId(f"w{i}"), recent_busy_s=busy[f"w{i}"]) for i in range(4)]
+        d = kv_aware(request, index.match(request.block_hashes), LoadView.of(loads), config)
+        busy[d.prefill_worker] += (request.num_tokens - d.cached_tokens) / config.prefill_tokens_per_s
+        event = BlockStored(list(request.block_hashes), None, [], BS, None, "GPU")
+        index.apply(WorkerId(d.prefill_worker), KVEventBatch(0.0, [event]), seq[d.prefill_worker])
+        seq[d.prefill_worker] += 1
+    return busy
+
+
+def test_load_guard_spreads_a_hot_prefix_across_workers():
+    guarded = _replay_hot_prefix(CFG)
+    piled = _replay_hot_prefix(CFG.replace(load_slack=math.inf))
+    assert len(piled) == 1  # without the guard the first holder takes every request
+    assert len(guarded) == 4
+    assert max(guarded.values()) / (sum(guarded.values()) / 4) <= 1.1
+
+
+def test_conditional_disaggregation_threshold():
+    loads = make_load(2, "prefill", "p") + make_load(1, "decode", "d")
+    cfg = CFG.replace(local_prefill_max_uncached_tokens=8)
+    index = make_index(p0=[0, 1, 2, 3, 4, 5, 6, 7])
+    short = route(kv_aware, make_request(2), index, loads, cfg)  # 8 tokens: prefill on the decode worker
+    long = route(kv_aware, make_request(8), index, loads, cfg)  # 32 uncached on d0: go through the prefill pool
+    assert (short.prefill_worker, short.decode_worker, short.disaggregated) == ("d0", "d0", False)
+    assert (long.prefill_worker, long.decode_worker, long.disaggregated) == ("p0", "d0", True)
+    assert long.cached_tokens == 32
+
+
+def test_almost_fully_cached_prompt_is_prefilled_on_the_decode_worker():
+    loads = make_load(1, "prefill", "p") + make_load(1, "decode", "d")
+    index = make_index(d0=[0, 1, 2, 3, 4, 5, 6])  # 7 of 8 blocks on the decode worker
+    d = route(kv_aware, make_request(8), index, loads, CFG.replace(local_prefill_max_uncached_tokens=4))
+    assert (d.prefill_worker, d.decode_worker, d.disaggregated, d.cached_tokens) == ("d0", "d0", False, 28)
+
+
+def test_cache_salt_isolates_tenants():
+    """Equal tokens under different salts hash differently, so one tenant's cache never serves another."""
+    ns = Namespace("model", "layout", "bf16")
+    tokens = list(range(32))
+    tenant_a, tenant_b = hash_blocks(ns.with_salt("a"), tokens, BS), hash_blocks(ns.with_salt("b"), tokens, BS)
+    index = PrefixIndex()
+    index.apply(WorkerId("w1"), KVEventBatch(0.0, [BlockStored(tenant_a, None, tokens, BS, None, "GPU")]), 0)
+    loads = make_load(3)
+    a = route(kv_aware, RouteRequest(tuple(tenant_a), 32), index, loads)
+    b = route(kv_aware, RouteRequest(tuple(tenant_b), 32), index, loads)
+    assert (a.prefill_worker, a.cached_tokens) == ("w1", 32)
+    assert b.cached_tokens == 0 and index.match(tenant_b).pooled_blocks == 0
+
+
+def test_shared_tier_prefix_is_usable_by_every_worker():
+    index = make_index(store=([0, 1, 2, 3], "redis"))
+    d = route(kv_aware, make_request(8), index, make_load(2, recent_busy_s={"w0": 1.0}))
+    assert (d.prefill_worker, d.cached_tokens) == ("w1", 16)
+
+
+# ------------------------------------------------------------------------------------------------ cost model
+
+def test_plan_prefix_recomputes_when_the_tier_is_slower_than_prefill():
+    slow_s3 = CFG.replace(kv_bytes_per_token=1000, tiers=TierCosts(s3=LinkCost(1e5, 0.0)))  # 40 ms/block > 4 ms
+    fast_host = CFG.replace(kv_bytes_per_token=1000, tiers=TierCosts(host=LinkCost(1e7, 0.0)))  # 0.4 ms/block
+    assert plan_prefix(slow_s3, [("s3", 4)], 32).cached_blocks == 0
+    plan = plan_prefix(fast_host, [("device", 2), ("host", 4)], 32)
+    assert (plan.cached_blocks, plan.cached_tokens, plan.sources) == (6, 24, (("device", 2), ("host", 4)))
+    assert plan.fetch_s == pytest.approx(4 * 0.0004) and plan.prefill_s == pytest.approx(0.008)
+
+
+def test_plan_prefix_stops_loading_where_a_slow_run_begins():
+    cfg = CFG.replace(kv_bytes_per_token=1000, tiers=TierCosts(s3=LinkCost(1e5, 0.0)))
+    assert plan_prefix(cfg, [("device", 3), ("s3", 5)], 32).cached_blocks == 3
+
+
+def test_peer_fetch_lets_a_worker_load_blocks_only_a_peer_holds():
+    index = make_index(w0=[0, 1, 2, 3])
+    m = index.match(chain(range(8)))
+    assert block_sources(m.local.get("w1", {}), m.shared_masks, m.pooled_blocks, True) == [("peer", 4)]
+    assert block_sources(m.local.get("w1", {}), m.shared_masks, m.pooled_blocks, False) == []
+
+
+def test_cost_config_validates_fields():
+    with pytest.raises(ValueError, match="prefill_tokens_per_s"):
+        CostModelConfig(prefill_tokens_per_s=0)
+    with pytest.raises(ValueError, match="load_slack"):
+        CostModelConfig(load_slack=-1)
+
+
+# --------------------------------------------------------------------------------------- simple baselines
+
+def test_round_robin_cycles_through_workers_in_id_order():
+    index = make_index()
+    picks = [route(round_robin, make_request(2, seq=s), index, make_load(3)).prefill_worker for s in range(6)]
+    assert picks == ["w0", "w1", "w2", "w0", "w1", "w2"]
+
+
+def test_round_robin_with_separate_pools_disaggregates():
+    loads = make_load(2, "prefill", "p") + make_load(3, "decode", "d")
+    d = route(round_robin, make_request(2, seq=4), make_index(), loads)
+    assert (d.prefill_worker, d.decode_worker, d.disaggregated) == ("p0", "d1", True)
+
+
+def test_least_loaded_picks_the_smallest_backlog():
+    d = route(least_loaded, make_request(2), make_index(), make_load(3, backlog_s={"w0": 3.0, "w1": 1.0, "w2": 2.0}))
+    assert d.prefill_worker == "w1"
+
+
+def test_random_is_deterministic_per_seed_and_request():
+    index, loads = make_index(), make_load(4)
+    draws = lambda seed: [route(get_policy("random", seed), make_request(2, seq=s), index, loads).prefill_worker
+                          for s in range(20)]
+    assert draws(7) == draws(7) and draws(7) != draws(8)
+    assert len(set(draws(7))) > 1
+
+
+def test_registry_has_every_policy_and_rejects_unknown_names():
+    assert set(POLICIES) == {"kv_aware", "round_robin", "least_loaded", "random"}
+    assert get_policy("kv_aware") is kv_aware
+    with pytest.raises(ValueError, match="policy must be one of"):
+        get_policy("fastest")
+
+
+def test_no_decode_worker_is_a_typed_error():
+    with pytest.raises(NoWorkerError):
+        route(kv_aware, make_request(2), make_index(), make_load(2, "prefill"))
+
+
+def test_load_view_rejects_duplicate_worker_ids_and_bad_roles():
+    with pytest.raises(ValueError, match="unique"):
+        LoadView.of([WorkerLoad(WorkerId("a")), WorkerLoad(WorkerId("a"))])
+    with pytest.raises(ValueError, match="role"):
+        WorkerLoad(WorkerId("a"), "router")  # type: ignore[arg-type]
