@@ -1,0 +1,24 @@
+"""KV events (DESIGN §6), wire-compatible with vLLM's ZeroMQ KV-event stream.
+
+    from kvstore.events import BlockStored, BlockRemoved, AllBlocksCleared, KVEventBatch
+    from kvstore.events import ZmqEventPublisher, ZmqEventSubscriber
+"""
+from kvstore.events.types import (
+    MEDIUM_DEVICE,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    ExternalBlockHash,
+    KVEvent,
+    KVEventBatch,
+)
+
+from kvstore.events.publisher import DEFAULT_TOPIC, ZmqEventPublisher, worker_topic
+from kvstore.events.subscriber import ReceivedBatch, ZmqEventSubscriber
+from kvstore.events.wire import WireError, WireOptions, decode_batch, encode_batch
+
+__all__ = [
+    "DEFAULT_TOPIC", "ZmqEventPublisher", "worker_topic", "ReceivedBatch", "ZmqEventSubscriber",
+    "WireError", "WireOptions", "decode_batch", "encode_batch",
+    "MEDIUM_DEVICE", "AllBlocksCleared", "BlockRemoved", "BlockStored", "ExternalBlockHash", "KVEvent", "KVEventBatch",
+]

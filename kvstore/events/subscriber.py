@@ -1,0 +1,212 @@
+"""ZeroMQ KV-event subscriber: SUB for the live stream, DEALER for replays, gap detection in between.
+
+The subscriber tracks the last sequence number it delivered. A live batch further ahead means batches were lost
+(the subscriber joined late, or a ZeroMQ high-water mark dropped them): it asks the publisher's replay socket for
+everything from the first missing number, delivers the replayed batches in order, then the live one. What the replay
+cannot supply (the publisher's buffer already rolled over, no replay socket, replay timed out) is reported as
+`lost_before` on the next delivered batch, so the caller (the router's index) can drop that worker's state and
+rebuild it rather than trust a hole.
+
+Not thread-safe: one thread owns a subscriber (ZeroMQ sockets belong to one thread).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Iterator, NamedTuple
+
+import zmq
+
+from kvstore.events.publisher import DEFAULT_TOPIC
+from kvstore.events.types import KVEventBatch
+from kvstore.events.wire import WireError, decode_batch, decode_seq, encode_seq
+
+log = logging.getLogger(__name__)
+
+
+class ReceivedBatch(NamedTuple):
+    """One delivered batch. `lost_before` counts sequence numbers before `seq` that could not be recovered."""
+
+    seq: int
+    batch: KVEventBatch
+    topic: str
+    replayed: bool = False
+    lost_before: int = 0
+    publisher_restarted: bool = False  # the sequence went back: state learned from this publisher is stale
+
+
+class ZmqEventSubscriber:
+    """Receives batches in sequence order, replaying gaps.
+
+    `from_seq` is the first sequence number the caller wants: 0 asks for the whole history the publisher still
+    buffers (a late joiner catches up through replay); None starts at whatever arrives first.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        replay_endpoint: str | None = None,
+        *,
+        topic: str = DEFAULT_TOPIC,
+        from_seq: int | None = None,
+        replay_timeout_s: float = 2.0,
+        rcvhwm: int = 100_000,
+        context: zmq.Context | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.replay_timeout_s = replay_timeout_s
+        self.last_seq = -1 if from_seq is None else from_seq - 1
+        self._started = from_seq is not None
+        self._live_high = -1  # the highest number seen on the live stream
+        self._undecodable = 0  # batches dropped as undecodable since the last delivery
+        self._ctx = context or zmq.Context.instance()
+        self._pending: deque[ReceivedBatch] = deque()
+        self.gaps_detected = 0
+        self.replays_requested = 0
+        self.batches_lost = 0
+        self.publisher_restarts = 0
+        self._restart_unreported = False
+        self.decode_errors = 0
+        self._sub = self._ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.RCVHWM, rcvhwm)
+        self._sub.setsockopt(zmq.LINGER, 0)
+        self._sub.setsockopt_string(zmq.SUBSCRIBE, topic)
+        self._sub.connect(endpoint)
+        self._replay: zmq.Socket | None = None
+        self._last_topic = topic
+
+    # ------------------------------------------------------------------------------------------------ public API
+
+    def recv(self, timeout_s: float | None = None) -> ReceivedBatch | None:
+        """The next batch in sequence order, or None if none arrived within `timeout_s` (None waits forever)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self._pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not self._sub.poll(None if left is None else int(left * 1000)):
+                return None
+            self._on_live(*self._sub.recv_multipart())
+        return self._pending.popleft()
+
+    def catch_up(self) -> int:
+        """Ask the replay socket for anything published after the last delivered batch; how many were queued.
+
+        A gap is only visible when a later batch arrives, so batches lost at the tail of a burst stay unseen
+        while the publisher is quiet. A consumer that needs an up-to-date view calls this when idle.
+        """
+        if self.replay_endpoint is None or not self._started:
+            return 0
+        self.replays_requested += 1
+        before = len(self._pending)
+        for seq, payload in self._request_replay(self.last_seq + 1):
+            if seq > self.last_seq:
+                lost = seq - (self.last_seq + 1)
+                self.batches_lost += lost
+                self._deliver(seq, payload, self._last_topic, replayed=True, lost_before=lost)
+        return len(self._pending) - before
+
+    def __iter__(self) -> Iterator[ReceivedBatch]:
+        while True:
+            item = self.recv()
+            if item is not None:
+                yield item
+
+    def close(self) -> None:
+        self._sub.close(linger=0)
+        if self._replay is not None:
+            self._replay.close(linger=0)
+
+    def __enter__(self) -> "ZmqEventSubscriber":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------------------------------------- live stream
+
+    def _on_live(self, *frames: bytes) -> None:
+        if len(frames) != 3 or len(frames[1]) != 8:
+            log.warning("ignoring a message that is not [topic, 8-byte seq, payload] (%d frames)", len(frames))
+            return
+        topic, seq = frames[0].decode(errors="replace"), decode_seq(frames[1])
+        self._last_topic = topic
+        if not self._started:
+            self._started, self.last_seq = True, seq - 1
+        if seq <= self._live_high:
+            # NOTE: a publisher's live numbers only go up: going back means it restarted and counts from 0 again.
+            self.publisher_restarts += 1
+            self.last_seq = -1
+            self._restart_unreported = True
+        self._live_high = seq
+        if seq <= self.last_seq:
+            return  # delivered already by a replay (catch_up), or older than the `from_seq` asked for
+        lost = 0
+        if seq > self.last_seq + 1:
+            self.gaps_detected += 1
+            lost = self._replay_until(seq, topic)
+        self._deliver(seq, frames[2], topic, replayed=False, lost_before=lost)
+
+    def _deliver(self, seq: int, payload: bytes, topic: str, *, replayed: bool, lost_before: int) -> None:
+        try:
+            batch = decode_batch(payload)
+        except WireError:
+            # NOTE: an undecodable batch is a lost batch: report it on the next one rather than stall the stream.
+            self.decode_errors += 1
+            self._undecodable += 1
+            log.exception("undecodable KV-event batch seq=%d", seq)
+            self.last_seq = seq
+            return
+        lost_before += self._undecodable
+        self._pending.append(ReceivedBatch(seq, batch, topic, replayed, lost_before, self._restart_unreported))
+        self._restart_unreported, self._undecodable = False, 0
+        self.last_seq = seq
+
+    # ------------------------------------------------------------------------------------------------- replays
+
+    def _replay_until(self, live_seq: int, topic: str) -> int:
+        """Replay (last_seq, live_seq) into the pending queue; how many of those numbers stay lost."""
+        first_missing = self.last_seq + 1
+        if self.replay_endpoint is not None:
+            self.replays_requested += 1
+            for seq, payload in self._request_replay(first_missing):
+                if first_missing <= seq < live_seq and seq > self.last_seq:
+                    lost = seq - (self.last_seq + 1)
+                    self._deliver(seq, payload, topic, replayed=True, lost_before=lost)
+                    self.batches_lost += lost
+        lost = live_seq - (self.last_seq + 1)
+        self.batches_lost += lost
+        return lost
+
+    def _request_replay(self, start_seq: int) -> list[tuple[int, bytes]]:
+        """Every (seq, payload) the publisher buffers from `start_seq`; what came before a timeout on timeout."""
+        sock = self._replay_socket()
+        sock.send_multipart((b"", encode_seq(start_seq)))  # the empty delimiter makes it look like a REQ
+        got: list[tuple[int, bytes]] = []
+        deadline = time.monotonic() + self.replay_timeout_s
+        while True:
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0 or not sock.poll(left_ms):
+                log.warning("replay from seq %d timed out after %d batches", start_seq, len(got))
+                self._drop_replay_socket()  # late replies must not leak into the next replay
+                return got
+            frames = sock.recv_multipart()
+            if len(frames) != 3:
+                continue
+            seq = decode_seq(frames[1])
+            if seq < 0:
+                return got
+            got.append((seq, frames[2]))
+
+    def _replay_socket(self) -> zmq.Socket:
+        if self._replay is None:
+            self._replay = self._ctx.socket(zmq.DEALER)
+            self._replay.setsockopt(zmq.LINGER, 0)
+            self._replay.setsockopt(zmq.RCVHWM, 0)  # a replay can be a whole buffer; never drop part of it
+            self._replay.connect(self.replay_endpoint)
+        return self._replay
+
+    def _drop_replay_socket(self) -> None:
+        if self._replay is not None:
+            self._replay.close(linger=0)
+            self._replay = None

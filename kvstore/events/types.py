@@ -1,0 +1,58 @@
+"""KV event types (DESIGN §6): what a worker or the store tells routers about the blocks it holds.
+
+The types mirror vLLM's published KV-event schema (vllm/distributed/kv_events.py) field for field and in the same
+order, so `kvstore.events.wire` can encode them exactly the way msgspec encodes vLLM's structs. Strata publishes its
+16-byte `BlockHash` values; a batch decoded from a vLLM publisher may carry `int` hashes (vLLM's default
+`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1` sends the low 64 bits of its digest as an unsigned int).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Union
+
+# What a hash looks like on the wire: Strata's 16 bytes, or an int from a vLLM publisher (vLLM's ExternalBlockHash).
+ExternalBlockHash = Union[bytes, int]
+
+# `medium` values Strata publishes: the tier names of DESIGN §5 ("GPU" is vLLM's name for the device tier).
+MEDIUM_DEVICE = "GPU"
+
+
+@dataclass(frozen=True)
+class BlockStored:
+    """Blocks became readable in `medium` (tier name: "GPU", "host", "disk", "redis", "s3").
+
+    `token_ids` holds the tokens of all `block_hashes` in order (len == len(block_hashes) * block_size);
+    `parent_block_hash` is the hash before the first block, None when the chain starts at the namespace.
+    """
+
+    block_hashes: list[ExternalBlockHash]
+    parent_block_hash: ExternalBlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    """Blocks are no longer readable in `medium`."""
+
+    block_hashes: list[ExternalBlockHash]
+    medium: str | None = None
+
+
+@dataclass(frozen=True)
+class AllBlocksCleared:
+    """Every block of the publisher is gone (cache reset, restart)."""
+
+
+KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+
+
+@dataclass(frozen=True)
+class KVEventBatch:
+    """Events published together under one sequence number; `ts` is seconds since the epoch."""
+
+    ts: float
+    events: list[KVEvent] = field(default_factory=list)
+    data_parallel_rank: int | None = None
