@@ -1,0 +1,107 @@
+"""POSIX shared-memory segments (the memory `shm` regions and lease tables live in).
+
+Written on `_posixshmem` + mmap rather than `multiprocessing.shared_memory` because the latter registers every
+attachment with the resource tracker, which unlinks the owner's segment when a *reader* exits (Python < 3.13).
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import secrets
+import weakref
+
+import _posixshmem
+
+# NOTE: macOS caps POSIX shm names at 31 bytes: "/st-" + pid (hex, <= 8) + "-" + 12 hex stays under it.
+NAME_PREFIX = "/st-"
+SHM_DIR = "/dev/shm"
+_NAME_RE = re.compile(r"st-([0-9a-f]{1,8})-[0-9a-f]{12}")
+
+
+def fresh_name() -> str:
+    """A new segment name that records the creating process, so orphans of a killed process can be found."""
+    return f"{NAME_PREFIX}{os.getpid():x}-{secrets.token_hex(6)}"
+
+
+def reap_orphaned_segments() -> list[str]:
+    """Unlink segments whose creating process is gone (SIGKILL skips every cleanup); returns their names.
+
+    Opt-in, for a supervisor or a restarted worker: only safe where every process that can create segments in
+    this /dev/shm shares our pid namespace (not with `--ipc=host` containers in separate pid namespaces).
+    """
+    if not os.path.isdir(SHM_DIR):
+        return []
+    reaped = []
+    for entry in os.listdir(SHM_DIR):
+        match = _NAME_RE.fullmatch(entry)
+        if match is None or _alive(int(match.group(1), 16)):
+            continue
+        unlink_quietly("/" + entry)
+        reaped.append("/" + entry)
+    return reaped
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+class SharedSegment:
+    """A mapped POSIX shared-memory segment. `buf` is a writable byte memoryview over all of it."""
+
+    def __init__(self, name: str, mm: mmap.mmap, size: int, owner: bool) -> None:
+        self.name, self.size, self.owner = name, size, owner
+        self._mmap = mm
+        self.buf = memoryview(mm)
+        # An owner that exits (or drops the segment) without close() still unlinks its name; only SIGKILL leaks.
+        self._unlinker = weakref.finalize(self, unlink_quietly, name) if owner else None
+
+    @classmethod
+    def create(cls, size: int, name: str | None = None) -> SharedSegment:
+        name = name or fresh_name()
+        fd = _posixshmem.shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+        try:
+            os.ftruncate(fd, size)
+            mm = mmap.mmap(fd, size)
+        except BaseException:
+            _posixshmem.shm_unlink(name)
+            raise
+        finally:
+            os.close(fd)
+        return cls(name, mm, size, owner=True)
+
+    @classmethod
+    def attach(cls, name: str) -> SharedSegment:
+        """Map an existing segment; FileNotFoundError if the owner never made it or has unlinked it."""
+        fd = _posixshmem.shm_open(name, os.O_RDWR, mode=0o600)
+        try:
+            size = os.fstat(fd).st_size
+            mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        return cls(name, mm, size, owner=False)
+
+    def close(self, unlink: bool = False) -> None:
+        """Unmap (once no view is exported any more; until then the GC unmaps) and optionally unlink the name."""
+        try:
+            self.buf.release()
+            self._mmap.close()
+        except BufferError:
+            pass  # NOTE: a view handed out (numpy, a pending zero-copy send) still uses the pages; the GC unmaps.
+        if unlink:
+            unlink_quietly(self.name)
+            if self._unlinker is not None:
+                self._unlinker.detach()
+
+
+def unlink_quietly(name: str) -> None:
+    try:
+        _posixshmem.shm_unlink(name)
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,157 @@
+"""The tcp transfer backend against a real owner process (spawned) over real loopback ZeroMQ sockets."""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvstore.transfer import (Descriptor, LeaseExpired, OutOfBounds, PeerUnavailable, TransferConfig,
+                              UnknownRegion, create_agent, pack_views)
+from kvstore.transfer.owner_process import OwnerProcess, region_bytes
+
+POOL = 24 << 20
+CHUNK = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def owner():
+    with OwnerProcess("tcp", {"pool": POOL}) as proc:
+        yield proc
+
+
+@pytest.fixture
+def reader():
+    agent = create_agent(TransferConfig(backend="tcp", chunk_bytes=CHUNK, max_inflight_chunks=4))
+    yield agent
+    agent.close()
+
+
+def make_descs(handle, count: int, max_len: int, seed: int = 0) -> list[Descriptor]:
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, max_len, count)
+    return [handle.descriptor(int(rng.integers(0, handle.length - n)), int(n)) for n in lengths]
+
+
+def test_many_descriptors_round_trip_exact_bytes(owner, reader):
+    handle, expected = owner.handles["pool"], region_bytes("pool", POOL)
+    descs = make_descs(handle, 300, 64 << 10)  # many small reads packed several to a request
+    dsts = [np.zeros(d.length, np.uint8) for d in descs]
+    result = reader.read(descs, dsts, deadline_s=20.0)
+    assert result.nbytes == sum(d.length for d in descs)
+    for d, dst in zip(descs, dsts):
+        assert np.array_equal(dst, expected[d.offset:d.offset + d.length])
+
+
+def test_large_descriptor_is_chunked_and_reassembled_exactly(owner, reader):
+    """A 9.5 MiB read crosses ten 1 MiB chunks pipelined four at a time; the pieces must land in order."""
+    handle, expected = owner.handles["pool"], region_bytes("pool", POOL)
+    n = 9 * CHUNK + CHUNK // 2
+    dst = np.zeros(n, np.uint8)
+    reader.read([handle.descriptor(123, n)], [dst], deadline_s=20.0)
+    assert np.array_equal(dst, expected[123:123 + n])
+
+
+def test_batched_read_lands_end_to_end_in_one_destination(owner, reader):
+    handle, expected = owner.handles["pool"], region_bytes("pool", POOL)
+    descs = [handle.descriptor(i * (256 << 10), 256 << 10) for i in range(63, -1, -1)]  # 64 x 256 KiB, reversed
+    big = np.zeros(64 * (256 << 10), np.uint8)
+    reader.read(descs, pack_views(big, descs), deadline_s=20.0)
+    assert np.array_equal(big, np.concatenate([expected[d.offset:d.offset + d.length] for d in descs]))
+
+
+def test_concurrent_readers_each_get_their_own_bytes(owner):
+    handle, expected = owner.handles["pool"], region_bytes("pool", POOL)
+    failures = []
+
+    def run(seed: int) -> None:
+        with create_agent(TransferConfig(backend="tcp", chunk_bytes=CHUNK)) as agent:
+            descs = make_descs(handle, 40, 512 << 10, seed)
+            dsts = [np.zeros(d.length, np.uint8) for d in descs]
+            agent.read(descs, dsts, deadline_s=30.0)
+            failures.extend(d for d, x in zip(descs, dsts)
+                            if not np.array_equal(x, expected[d.offset:d.offset + d.length]))
+
+    threads = [threading.Thread(target=run, args=(seed,)) for seed in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert failures == []
+
+
+def test_zero_length_descriptor_reads_nothing(owner, reader):
+    assert reader.read([owner.handles["pool"].descriptor(5, 0)], [bytearray(0)], deadline_s=5.0).nbytes == 0
+
+
+def test_unknown_region_is_an_explicit_error_and_the_reader_recovers(owner, reader):
+    with pytest.raises(UnknownRegion):
+        reader.read([Descriptor(owner.handles["pool"].agent, "nope", 0, 16)], [bytearray(16)], deadline_s=5.0)
+    dst = bytearray(16)
+    reader.read([owner.handles["pool"].descriptor(0, 16)], [dst], deadline_s=5.0)
+    assert bytes(dst) == region_bytes("pool", POOL)[:16].tobytes()
+
+
+@pytest.mark.parametrize("offset,length", [(POOL - 10, 11), (-1, 4)])
+def test_out_of_bounds_descriptor_is_rejected(owner, reader, offset, length):
+    with pytest.raises(OutOfBounds):
+        reader.read([owner.handles["pool"].descriptor(offset, length)], [bytearray(16)], deadline_s=5.0)
+
+
+def test_leased_read_succeeds_then_fails_with_lease_expired_after_ttl(owner, reader):
+    handle = owner.handles["pool"]
+    lease = owner.grant("pool", [(0, 2 * CHUNK)], ttl_s=0.5)
+    reader.read([handle.descriptor(0, 2 * CHUNK, lease)], [bytearray(2 * CHUNK)], deadline_s=5.0)
+    time.sleep(0.6)
+    with pytest.raises(LeaseExpired):
+        reader.read([handle.descriptor(0, 4096, lease)], [bytearray(4096)], deadline_s=5.0)
+
+
+def test_released_lease_fails_with_lease_expired(owner, reader):
+    lease = owner.grant("pool", [(0, 4096)], ttl_s=30.0)
+    assert owner.release(lease) is True
+    with pytest.raises(LeaseExpired):
+        reader.read([owner.handles["pool"].descriptor(0, 4096, lease)], [bytearray(4096)], deadline_s=5.0)
+
+
+def test_range_outside_its_lease_is_out_of_bounds(owner, reader):
+    lease = owner.grant("pool", [(0, 4096)], ttl_s=30.0)
+    with pytest.raises(OutOfBounds):
+        reader.read([owner.handles["pool"].descriptor(0, 4097, lease)], [bytearray(4097)], deadline_s=5.0)
+
+
+def test_nobody_listening_gives_peer_unavailable_before_the_deadline(reader):
+    start = time.monotonic()
+    with pytest.raises(PeerUnavailable):
+        reader.read([Descriptor("tcp://127.0.0.1:1", "x", 0, 1)], [bytearray(1)], deadline_s=5.0)
+    assert time.monotonic() - start < 2.0
+
+
+def test_owner_closing_gives_peer_unavailable(reader):
+    owner = OwnerProcess("tcp", {"a": 4096}).start()
+    desc = owner.handles["a"].descriptor(0, 16)
+    reader.read([desc], [bytearray(16)], deadline_s=5.0)
+    owner.stop()
+    with pytest.raises(PeerUnavailable):
+        reader.read([desc], [bytearray(16)], deadline_s=5.0)
+
+
+def test_malformed_request_gets_an_error_reply_and_the_server_keeps_serving(owner, reader):
+    import msgpack
+    import zmq
+
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(owner.handles["pool"].agent)
+    try:
+        sock.send(b"\xc1 not msgpack")
+        assert sock.poll(5000)
+        request_id, error = msgpack.unpackb(sock.recv())
+        assert error[0] == "TransferError" and "malformed" in error[1]
+    finally:
+        sock.close()
+    dst = bytearray(8)
+    reader.read([owner.handles["pool"].descriptor(0, 8)], [dst], deadline_s=5.0)
+    assert bytes(dst) == region_bytes("pool", POOL)[:8].tobytes()
