@@ -8,13 +8,25 @@ Contracts every implementation keeps:
   Storing a key that is already present is a no-op that returns True.
 - `delete` of a missing key is a no-op. `clear()` empties the tier.
 - A backend failure raises `TierUnavailable` (never a bare library error), so the store can mark the tier unhealthy.
+  The tier counts that failure in its own `errors` (use `_failed`); the store does not count it again.
+- A put that finds no room even after eviction may raise `TierFull`; the store counts it as an error and backs the
+  tier's writes off like an outage.
+- A buffer too small for its object is a caller error: `ValueError`.
+- A tier that evicts on its own (capacity) calls `_evicted(key, data)` so the store can demote the block and publish
+  `BlockRemoved`; `data` is the object's bytes when `eviction_wants_data` is set, else None, and is only valid
+  during the call. The listener runs under the tier's lock: it copies what it keeps and never calls the tier.
+- Counting: a tier counts hits, misses, bytes, evictions and errors; the store counts promotions and demotions (on
+  the tier the block moves INTO), checksum failures (on the tier that held the bad copy), dropped background writes
+  and calls skipped while the tier was unhealthy.
 """
 from __future__ import annotations
 
 import threading
+import time
 from abc import ABC, abstractmethod
+from bisect import bisect_left
 from dataclasses import asdict, dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 from kvstore.hashing import BlockHash
 
@@ -48,20 +60,20 @@ class TierStats:
     demotions: int = 0
     errors: int = 0
     checksum_failures: int = 0
+    dropped: int = 0
+    skipped: int = 0
     healthy: bool = True
     get_latency_counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
     put_latency_counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
+    get_latency_sum_s: float = 0.0
+    put_latency_sum_s: float = 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
 def observe_latency(counts: list[int], seconds: float) -> None:
-    for i, bound in enumerate(LATENCY_BUCKETS):
-        if seconds <= bound:
-            counts[i] += 1
-            return
-    counts[-1] += 1
+    counts[bisect_left(LATENCY_BUCKETS, seconds)] += 1  # the first bucket whose bound >= seconds; last is +Inf
 
 
 class Tier(ABC):
@@ -72,6 +84,8 @@ class Tier(ABC):
     def __init__(self) -> None:
         self._stats_lock = threading.Lock()
         self._stats = TierStats(tier=self.name)
+        self.eviction_listener: Callable[[BlockHash, bytes | memoryview | None], None] | None = None
+        self.eviction_wants_data = False
 
     @abstractmethod
     def contains(self, keys: Sequence[BlockHash]) -> list[bool]:
@@ -106,6 +120,35 @@ class Tier(ABC):
     def stats(self) -> TierStats:
         with self._stats_lock:
             return TierStats(**self._stats.as_dict())
+
+    # Helpers for implementations -------------------------------------------------------------------------------
+
+    def _count(self, **deltas: int) -> None:
+        """Add to counters, e.g. `self._count(hits=2, bytes_read=n)`."""
+        with self._stats_lock:
+            for name, delta in deltas.items():
+                setattr(self._stats, name, getattr(self._stats, name) + delta)
+
+    def _observe(self, op: str, started: float, **deltas: int) -> None:
+        """Record one `get` or `put` call that began at `started` (time.perf_counter()), plus counter deltas."""
+        seconds = time.perf_counter() - started
+        bucket = bisect_left(LATENCY_BUCKETS, seconds)
+        with self._stats_lock:
+            for name, delta in deltas.items():
+                setattr(self._stats, name, getattr(self._stats, name) + delta)
+            getattr(self._stats, f"{op}_latency_counts")[bucket] += 1
+            setattr(self._stats, f"{op}_latency_sum_s", getattr(self._stats, f"{op}_latency_sum_s") + seconds)
+
+    def _failed(self, what: str, exc: BaseException) -> TierUnavailable:
+        """Count one backend failure and build the error to raise (`raise self._failed("put", exc) from exc`)."""
+        with self._stats_lock:
+            self._stats.errors += 1
+        return TierUnavailable(f"{self.name} tier: {what} failed: {exc}")
+
+    def _evicted(self, key: BlockHash, data: bytes | memoryview | None) -> None:
+        self._count(evictions=1)
+        if self.eviction_listener is not None:
+            self.eviction_listener(key, data)
 
 
 TIER_REGISTRY: dict[str, type[Tier]] = {}

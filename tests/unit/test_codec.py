@@ -1,0 +1,158 @@
+"""Block codec: round trips, and every way a stored block can be wrong is caught and named."""
+from __future__ import annotations
+
+import struct
+
+import pytest
+import xxhash
+
+from kvstore import codec
+from kvstore.codec import HEADER_SIZE, BlockLayout, CorruptBlock
+from kvstore.hashing import Namespace, hash_blocks
+
+NS = Namespace("tiny-llama@abc", "bs4-l2-h2-d8", "float16")
+FP = NS.fingerprint()
+LAYOUT = BlockLayout(num_layers=2, block_size=4, kv_heads=2, head_dim=8)
+TOKENS = [11, 12, 13, 14, 15, 16, 17, 18]
+H0, H1 = hash_blocks(NS, TOKENS, 4)
+PAYLOAD = bytes((i * 7) % 251 for i in range(LAYOUT.payload_bytes("float16")))
+
+
+def make_block(**options) -> bytearray:
+    options.setdefault("tokens", TOKENS[4:])
+    options.setdefault("parent_hash", H0)
+    return bytearray(codec.encode(FP, H1, LAYOUT, "float16", PAYLOAD, **options))
+
+
+def reseal(buf: bytearray) -> bytearray:
+    """Recompute the header checksum after editing header fields, so only the edited field is wrong."""
+    body = HEADER_SIZE - 8
+    buf[body:HEADER_SIZE] = struct.pack("<Q", xxhash.xxh3_64_intdigest(bytes(buf[:body])))
+    return buf
+
+
+def expect_corrupt(buf, reason: str, **kwargs) -> None:
+    with pytest.raises(CorruptBlock) as info:
+        codec.decode(buf, kwargs.get("fp", FP), kwargs.get("h", H1), kwargs.get("layout"))
+    assert info.value.reason == reason, str(info.value)
+
+
+def test_round_trip_returns_every_field_and_zero_copy_views():
+    buf = make_block(scales=b"\x01\x02\x03\x04")
+    block = codec.decode(buf, FP, H1, LAYOUT)
+    assert block.header.fingerprint == FP and block.header.block_hash == H1 and block.header.parent_hash == H0
+    assert block.header.layout == LAYOUT and block.header.dtype == "float16" and block.header.num_tokens == 4
+    assert list(block.tokens) == TOKENS[4:]
+    assert bytes(block.scales) == b"\x01\x02\x03\x04"
+    assert bytes(block.payload) == PAYLOAD
+    assert len(buf) == codec.encoded_size(len(PAYLOAD), 4, 4) == block.header.encoded_len
+    buf[-1] ^= 0xFF  # the payload view aliases the buffer: no copy was made
+    assert block.payload[-1] == buf[-1]
+
+
+def test_round_trip_without_tokens_or_parent():
+    buf = codec.encode(FP, H0, LAYOUT, "float16", PAYLOAD, num_tokens=3)
+    block = codec.decode(buf, FP, H0)
+    assert block.header.parent_hash is None and block.header.num_tokens == 3 and len(block.tokens) == 0
+    assert len(buf) == HEADER_SIZE + len(PAYLOAD)
+
+
+def test_encode_into_a_larger_buffer_and_decode_the_prefix():
+    out = bytearray(HEADER_SIZE + len(PAYLOAD) + 100)
+    n = codec.encode_into(out, FP, H1, LAYOUT, "float16", memoryview(PAYLOAD))
+    assert n == HEADER_SIZE + len(PAYLOAD)
+    assert bytes(codec.decode(out, FP, H1).payload) == PAYLOAD
+    assert HEADER_SIZE % 64 == 0  # sections after the header stay aligned
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(payload=b"\x00" * 10), "payload is 10 bytes"),
+    (dict(fingerprint=b"short"), "fingerprint must be 16 bytes"),
+    (dict(tokens=[1, 2, 3, 4, 5]), "num_tokens must be in [0, 4]"),
+    (dict(dtype="float64"), "dtype must be one of"),
+])
+def test_encode_rejects_bad_arguments_naming_them(bad, message):
+    args = dict(fingerprint=FP, block_hash=H1, layout=LAYOUT, dtype="float16", payload=PAYLOAD)
+    args.update(bad)
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        codec.encode(args.pop("fingerprint"), args.pop("block_hash"), args.pop("layout"), args.pop("dtype"),
+                     args.pop("payload"), **args)
+
+
+def test_truncated_header_and_truncated_payload():
+    buf = make_block()
+    expect_corrupt(buf[:HEADER_SIZE - 1], "truncated")
+    expect_corrupt(buf[:-1], "truncated")
+    expect_corrupt(b"", "truncated")
+
+
+def test_wrong_magic():
+    buf = make_block()
+    buf[0:4] = b"XXXX"
+    expect_corrupt(buf, "magic")
+
+
+def test_unknown_version():
+    expect_corrupt(reseal(_set(make_block(), 4, "<H", 99)), "version")
+
+
+def test_flipped_header_bit_fails_the_header_checksum():
+    buf = make_block()
+    buf[40] ^= 0x01  # inside the block hash
+    expect_corrupt(buf, "header_checksum")
+
+
+def test_unknown_checksum_algorithm_dtype_and_flags():
+    expect_corrupt(reseal(_set(make_block(), 6, "<B", 9)), "checksum_algo")
+    expect_corrupt(reseal(_set(make_block(), 8, "<B", 200)), "dtype")
+    expect_corrupt(reseal(_set(make_block(), 9, "<B", 0x80)), "flags")
+
+
+def test_other_namespace_is_refused():
+    expect_corrupt(make_block(), "fingerprint", fp=NS.with_salt("tenant-b").fingerprint())
+
+
+def test_other_block_hash_is_refused():
+    expect_corrupt(make_block(), "hash", h=H0)
+
+
+def test_unexpected_layout_is_refused():
+    expect_corrupt(make_block(), "layout", layout=BlockLayout(2, 4, 2, 16))
+
+
+def test_zero_layout_field_is_refused():
+    expect_corrupt(reseal(_set(make_block(), 60, "<I", 0)), "layout")  # num_layers
+
+
+def test_payload_length_that_does_not_fit_the_layout():
+    expect_corrupt(reseal(_set(make_block(), 84, "<Q", len(PAYLOAD) - 2)), "length")
+
+
+def test_token_count_above_block_size():
+    expect_corrupt(reseal(_set(make_block(tokens=None, num_tokens=4, parent_hash=None), 76, "<I", 5)), "length")
+
+
+@pytest.mark.parametrize("where", ["token", "scale", "payload_first", "payload_last"])
+def test_flipped_bit_in_any_section_fails_the_checksum(where):
+    buf = make_block(scales=b"\x05" * 8)
+    offset = {"token": HEADER_SIZE, "scale": HEADER_SIZE + 16, "payload_first": HEADER_SIZE + 24,
+              "payload_last": len(buf) - 1}[where]
+    buf[offset] ^= 0x10
+    expect_corrupt(buf, "payload_checksum")
+
+
+def test_peek_header_reads_metadata_without_the_payload():
+    buf = make_block()
+    header = codec.peek_header(buf[:HEADER_SIZE])
+    assert header.block_hash == H1 and header.payload_len == len(PAYLOAD)
+    assert codec.read_tokens(buf, header) == TOKENS[4:]
+
+
+def test_no_pickle_in_the_codec_module():
+    import inspect
+    assert "pickle" not in inspect.getsource(codec).replace("No pickle", "")
+
+
+def _set(buf: bytearray, offset: int, fmt: str, value: int) -> bytearray:
+    struct.pack_into(fmt, buf, offset, value)
+    return buf
