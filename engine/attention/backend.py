@@ -1,0 +1,53 @@
+"""The attention backend contract and its registry (STYLE habit 6).
+
+A backend turns one `StepBatch` into its own per-step metadata (index tensors built once, shared by all layers),
+and then, layer by layer, writes the step's new K/V into the paged cache and attends each query causally over its
+sequence's whole history through the sequence's block table.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Callable
+
+import torch
+
+from engine.batch import StepBatch
+
+
+class AttentionBackend(ABC):
+    """Contract:
+
+    - `build_metadata` reads only ints from the batch and makes every index tensor the step needs, on `device`;
+      it does not touch the cache. The result is opaque to callers and valid for this step only.
+    - `forward` first writes `k`, `v` (rows in batch token order) into the cache slots
+      `block_table[pos // block_size] * block_size + pos % block_size`, then returns the attention output
+      `[tokens, num_heads, head_dim]` in the same row order. Query at position p sees keys at positions <= p of
+      its own sequence only. It writes no cache slot other than the step's own.
+    """
+
+    name: str = ""
+
+    @abstractmethod
+    def build_metadata(self, batch: StepBatch, block_size: int, device: torch.device,
+                       dtype: torch.dtype = torch.float32) -> Any:
+        """`dtype`: the model's activation dtype (for masks and any float metadata)."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                cache: tuple[torch.Tensor, torch.Tensor], meta: Any, scale: float) -> torch.Tensor:
+        """q `[T, Hq, D]`, k/v `[T, Hkv, D]` (may be strided views), cache: this layer's (K, V) views, each
+        `[num_blocks, block_size, Hkv, D]`, of the block-major cache."""
+
+
+ATTENTION_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {}
+
+
+def register_attention_backend(name: str, factory: Callable[[], AttentionBackend]) -> None:
+    ATTENTION_BACKENDS[name] = factory
+
+
+def get_attention_backend(name: str = "torch") -> AttentionBackend:
+    import engine.attention.torch_paged  # noqa: F401  (registers 'torch')
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend {name!r} is unknown; registered: {sorted(ATTENTION_BACKENDS)}")
+    return ATTENTION_BACKENDS[name]()

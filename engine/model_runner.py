@@ -1,0 +1,91 @@
+"""`ModelRunner`: loads the model, allocates the paged KV cache, and runs one `StepBatch` to float32 logits.
+
+Per step it converts the batch's Python ints to tensors once (ids, positions, logit rows, attention metadata);
+layers then run over the flat token batch with no per-sequence Python work except multi-token prefills.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.attention.backend import get_attention_backend
+from engine.batch import StepBatch
+from engine.kv_cache import KVCache
+from engine.loader import load_model, torch_dtype
+from strata.config import CacheConfig, ModelConfig
+
+
+def _flat_inputs(batch: StepBatch) -> tuple[list[int], list[int], list[int]]:
+    """Token ids, absolute positions and logit rows (the last num_logits rows of each sequence), in order."""
+    ids: list[int] = []
+    positions: list[int] = []
+    logit_rows: list[int] = []
+    for seq in batch.seqs:
+        n = len(seq.token_ids)
+        if not 0 <= seq.num_logits <= n:
+            raise ValueError(f"request {seq.request_id}: num_logits must be in [0, {n}], got {seq.num_logits}")
+        row = len(ids)
+        ids.extend(seq.token_ids)
+        positions.extend(range(seq.start_pos, seq.start_pos + n))
+        logit_rows.extend(range(row + n - seq.num_logits, row + n))
+    return ids, positions, logit_rows
+
+
+def _check_tables(batch: StepBatch, block_size: int) -> None:
+    for seq in batch.seqs:
+        needed = -(-(seq.start_pos + len(seq.token_ids)) // block_size)
+        if len(seq.block_table) < needed:
+            raise ValueError(f"request {seq.request_id}: block_table has {len(seq.block_table)} blocks, needs "
+                             f"{needed} for positions up to {seq.start_pos + len(seq.token_ids) - 1}")
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, attention: str = "torch",
+                 moe_backend: str = "local") -> None:
+        torch.manual_seed(model_config.seed)
+        loaded = load_model(model_config, moe_backend)
+        self.model, self.spec, self.tokenizer = loaded.model, loaded.spec, loaded.tokenizer
+        self.fingerprint, self.generation_config = loaded.fingerprint, loaded.generation_config
+        self.device, self.dtype = torch.device(model_config.device), torch_dtype(model_config.dtype)
+        self.block_size = cache_config.block_size
+        self.attention = get_attention_backend(attention)
+        self.cache = KVCache(cache_config.num_blocks, self.spec.num_layers, cache_config.block_size,
+                             self.spec.num_kv_heads, self.spec.head_dim, self.dtype, self.device)
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        """`[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`."""
+        return self.cache.tensor
+
+    @property
+    def block_bytes(self) -> int:
+        return self.cache.block_bytes
+
+    @property
+    def num_blocks(self) -> int:
+        return self.cache.num_blocks
+
+    @property
+    def vocab_size(self) -> int:
+        return self.spec.vocab_size
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        return self.cache.read_blocks(block_ids)
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        self.cache.write_blocks(block_ids, data)
+
+    @torch.inference_mode()
+    def execute(self, batch: StepBatch) -> torch.Tensor:
+        """float32 logits `[sum(seq.num_logits), vocab]`: each sequence's last num_logits positions, in order."""
+        if not batch.seqs:
+            return torch.empty(0, self.spec.vocab_size, dtype=torch.float32, device=self.device)
+        _check_tables(batch, self.block_size)
+        ids, positions, logit_rows = _flat_inputs(batch)
+        self.model.rotary.ensure(max(positions) + 1)
+        meta = self.attention.build_metadata(batch, self.block_size, self.device, self.dtype)
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)          # [T]
+        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)          # [T]
+        hidden = self.model(input_ids, pos, self.attention, self.cache.layers, meta)  # [T, H]
+        if len(logit_rows) != len(ids):
+            hidden = hidden[torch.tensor(logit_rows, dtype=torch.int64, device=self.device)]  # [N, H]
+        return self.model.logits(hidden)                                              # [N, V]

@@ -1,0 +1,68 @@
+"""The one decoder every supported architecture runs: pre-norm blocks of attention and a dense or sparse MLP.
+
+`CausalLM.forward` takes a flat batch of tokens (all sequences concatenated) plus the attention backend's
+per-step metadata; nothing in here loops over sequences.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention.backend import AttentionBackend
+from engine.models.layers import Attention, DenseMLP, RMSNorm, SparseMoE
+from engine.models.rope import RotaryTable
+from engine.models.spec import ModelSpec
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, index: int, dtype: torch.dtype, device: torch.device,
+                 moe_backend: str) -> None:
+        super().__init__()
+        self.input_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
+        self.attn = Attention(spec, dtype, device)
+        self.post_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
+        sparse = spec.moe is not None and index in spec.moe.sparse_layers
+        self.mlp: nn.Module = SparseMoE(spec, dtype, device, moe_backend) if sparse else \
+            DenseMLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias, dtype, device)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend,
+                cache: tuple[torch.Tensor, torch.Tensor], meta: Any) -> torch.Tensor:
+        x = x + self.attn(self.input_norm(x), cos, sin, backend, cache, meta)   # [T, H]
+        return x + self.mlp(self.post_norm(x))                                   # [T, H]
+
+
+class CausalLM(nn.Module):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device, moe_backend: str = "local") -> None:
+        super().__init__()
+        self.spec = spec
+        self.embed = nn.Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
+        self.embed.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, dtype, device, moe_backend)
+                                    for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
+        self.lm_head = None if spec.tie_word_embeddings else \
+            nn.Parameter(torch.empty(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device),
+                         requires_grad=False)
+        self.rotary = RotaryTable(spec.rope, spec.head_dim, spec.max_position_embeddings, device, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
+                caches: list[tuple[torch.Tensor, torch.Tensor]], meta: Any) -> torch.Tensor:
+        """Hidden states `[T, H]` (before the final norm) for input_ids/positions `[T]`."""
+        cos, sin = self.rotary.lookup(positions)                          # [T, 1, D] each
+        x = self.embed(input_ids)                                         # [T, H]
+        for layer, cache in zip(self.layers, caches):
+            x = layer(x, cos, sin, backend, cache, meta)
+        return x
+
+    def post_load(self) -> None:
+        """Derive fused tensors from the loaded weights (the loader calls this once)."""
+        for layer in self.layers:
+            layer.attn.post_load()
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits `[N, vocab]` for hidden rows `[N, H]`."""
+        head = self.embed.weight if self.lm_head is None else self.lm_head
+        return F.linear(self.norm(hidden), head).float()                  # [N, V]

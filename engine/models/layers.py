@@ -1,0 +1,124 @@
+"""The pluggable parts of the shared decoder: RMSNorm, attention projections, dense and sparse MLPs.
+
+Weights are fused at load time where one matmul can replace several: q/k/v into `qkv`, gate/up into `gate_up`,
+and every expert's gate/up/down into stacked `[E, ...]` tensors behind a MoE backend.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention.backend import AttentionBackend
+from engine.models.rope import apply_rotary
+from engine.models.spec import ModelSpec
+from engine.moe.backend import MoEBackend, make_moe_backend
+from engine.moe.router import route_topk
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim; `weight` broadcasts against x (`[size]`, or `[heads, size]` for per-head norms)."""
+    if x.dtype == torch.float32 and weight.dim() == 1:                # one fused op on the fp32 hot path
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    # NOTE: normalize in float32 and cast back before the weight, in the order HF checkpoints were trained.
+    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)           # [..., size]
+    return weight * normed.to(x.dtype)
+
+
+def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = _param(size, dtype=dtype, device=device)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class Linear(nn.Module):
+    """`y = x W^T (+ b)`; a plain holder so that fused weights keep one name."""
+
+    def __init__(self, n_in: int, n_out: int, bias: bool, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = _param(n_out, n_in, dtype=dtype, device=device)
+        self.bias = _param(n_out, dtype=dtype, device=device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Attention(nn.Module):
+    """Fused qkv projection, optional per-head q/k norm (Qwen3), RoPE, paged attention, output projection."""
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.q_size, self.kv_size = spec.q_size, spec.kv_size
+        self.scale = spec.head_dim ** -0.5
+        self.qkv = Linear(spec.hidden_size, spec.q_size + 2 * spec.kv_size, spec.qkv_bias, dtype, device)
+        self.o = Linear(spec.q_size, spec.hidden_size, spec.o_bias, dtype, device)
+        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype, device) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype, device) if spec.qk_norm else None
+        self.qk_norm_weight: torch.Tensor | None = None     # [Hq + Hkv, D], derived in post_load
+
+    def post_load(self) -> None:
+        """Derive fused tensors from loaded weights; call again after any weight swap."""
+        if self.q_norm is not None:
+            dim = self.head_dim
+            self.qk_norm_weight = torch.cat((self.q_norm.weight.expand(self.num_heads, dim),
+                                             self.k_norm.weight.expand(self.num_kv_heads, dim)))  # [Hq+Hkv, D]
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend,
+                cache: tuple[torch.Tensor, torch.Tensor], meta: Any) -> torch.Tensor:
+        tokens, hq, qk_size = x.shape[0], self.num_heads, self.q_size + self.kv_size
+        qkv = self.qkv(x)                                                 # [T, q + 2 kv]
+        qk = qkv[:, :qk_size].view(tokens, hq + self.num_kv_heads, self.head_dim)   # [T, Hq + Hkv, D]
+        v = qkv[:, qk_size:].view(tokens, self.num_kv_heads, self.head_dim)         # [T, Hkv, D]
+        if self.qk_norm_weight is not None:                               # q_norm and k_norm in one pass
+            qk = rms_norm(qk, self.qk_norm_weight, self.q_norm.eps)
+        qk = apply_rotary(qk, cos, sin)                                   # q and k rotated in one pass
+        out = backend.forward(qk[:, :hq], qk[:, hq:], v, cache, meta, self.scale)  # [T, Hq, D]
+        return self.o(out.reshape(tokens, self.q_size))                   # [T, H]
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, hidden: int, inter: int, bias: bool, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.gate_up = Linear(hidden, 2 * inter, bias, dtype, device)
+        self.down = Linear(inter, hidden, bias, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)                       # [T, I] each
+        return self.down(F.silu(gate) * up)                               # [T, H]
+
+
+class SparseMoE(nn.Module):
+    """Router + experts (a MoE backend) + optional shared expert with a sigmoid gate (Qwen2-MoE)."""
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device, backend: str = "local") -> None:
+        super().__init__()
+        moe = spec.moe
+        assert moe is not None
+        self.top_k, self.normalize = moe.top_k, moe.norm_topk_prob
+        self.router = Linear(spec.hidden_size, moe.num_experts, False, dtype, device)
+        w13 = torch.empty(moe.num_experts, 2 * moe.intermediate_size, spec.hidden_size, dtype=dtype, device=device)
+        w2 = torch.empty(moe.num_experts, spec.hidden_size, moe.intermediate_size, dtype=dtype, device=device)
+        self.experts: MoEBackend = make_moe_backend(backend, w13, w2)
+        self.shared = None
+        self.shared_gate = None
+        if moe.shared_intermediate_size:
+            self.shared = DenseMLP(spec.hidden_size, moe.shared_intermediate_size, False, dtype, device)
+            self.shared_gate = Linear(spec.hidden_size, 1, False, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route_topk(self.router(x), self.top_k, self.normalize, x.dtype)  # [T, k] each
+        out = self.experts(x, ids, weights)                                              # [T, H]
+        if self.shared is not None:
+            out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
+        return out

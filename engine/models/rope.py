@@ -1,0 +1,118 @@
+"""Rotary position embeddings: inverse frequencies per scaling type, and a precomputed cos/sin table.
+
+The table is indexed by absolute position once per step (shared by every layer), so the hot path does one
+gather and two multiply-adds per q/k tensor.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from engine.models.spec import RopeSpec
+
+
+def _base_inv_freq(theta: float, dim: int) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))  # [dim/2]
+
+
+def _llama3(rope: RopeSpec, dim: int, max_pos: int) -> torch.Tensor:
+    inv_freq = _base_inv_freq(rope.theta, dim)
+    factor, low, high = rope.get("factor"), rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old_len = rope.get("original_max_position_embeddings", max_pos)
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_attention_factor(rope: RopeSpec, factor: float) -> float:
+    given, mscale, mscale_all = rope.get("attention_factor"), rope.get("mscale"), rope.get("mscale_all_dim")
+    if given is not None:
+        return float(given)
+    if mscale and mscale_all:
+        return _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
+    return _yarn_mscale(factor)
+
+
+def _yarn_correction_dim(rotations: float, dim: int, base: float, max_pos: int) -> float:
+    return (dim * math.log(max_pos / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+
+def _yarn(rope: RopeSpec, dim: int, max_pos: int) -> tuple[torch.Tensor, float]:
+    old_len = rope.get("original_max_position_embeddings", max_pos)
+    factor = rope.get("factor") or max_pos / old_len
+    beta_fast, beta_slow = rope.get("beta_fast") or 32, rope.get("beta_slow") or 1
+    low = _yarn_correction_dim(beta_fast, dim, rope.theta, old_len)
+    high = _yarn_correction_dim(beta_slow, dim, rope.theta, old_len)
+    if rope.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)  # [dim/2]
+    pos_freqs = rope.theta ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, _yarn_attention_factor(rope, factor)
+
+
+def _dynamic(rope: RopeSpec, dim: int, max_pos: int, seq_len: int) -> torch.Tensor:
+    # NOTE: within max_position_embeddings dynamic NTK equals the default RoPE (as in transformers); past it the
+    # base grows with the table length, i.e. with the longest sequence served so far.
+    factor, seq_len = rope.get("factor"), max(seq_len, max_pos)
+    base = rope.theta * ((factor * seq_len / max_pos) - (factor - 1)) ** (dim / (dim - 2))
+    return _base_inv_freq(base, dim)
+
+
+def inv_freq_and_scale(rope: RopeSpec, dim: int, max_pos: int, seq_len: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies `[dim/2]` and the cos/sin scale for this rope type."""
+    if rope.rope_type == "linear":
+        return _base_inv_freq(rope.theta, dim) / rope.get("factor"), 1.0
+    if rope.rope_type == "llama3":
+        return _llama3(rope, dim, max_pos), 1.0
+    if rope.rope_type == "yarn":
+        return _yarn(rope, dim, max_pos)
+    if rope.rope_type == "dynamic":
+        return _dynamic(rope, dim, max_pos, seq_len), 1.0
+    return _base_inv_freq(rope.theta, dim), 1.0
+
+
+class RotaryTable:
+    """cos/sin for positions `[0, length)`, grown on demand (doubling) when a step reaches past the end."""
+
+    def __init__(self, rope: RopeSpec, head_dim: int, max_pos: int, device: torch.device,
+                 dtype: torch.dtype, initial_length: int = 4096) -> None:
+        self.rope, self.head_dim, self.max_pos = rope, head_dim, max_pos
+        self.device, self.dtype = device, dtype
+        self.length = 0
+        self._build(min(max(initial_length, 1), max_pos))
+
+    def _build(self, length: int) -> None:
+        inv_freq, scale = inv_freq_and_scale(self.rope, self.head_dim, self.max_pos, length)
+        pos = torch.arange(length, dtype=torch.int64).float()
+        freqs = pos[:, None] * inv_freq[None, :]                          # [length, dim/2]
+        emb = torch.cat((freqs, freqs), dim=-1)                           # [length, dim]
+        self.cos = (emb.cos() * scale).to(self.device, self.dtype)
+        self.sin = (emb.sin() * scale).to(self.device, self.dtype)
+        self.length = length
+
+    def ensure(self, length: int) -> None:
+        if length > self.length:
+            self._build(max(length, 2 * self.length))
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin `[tokens, 1, head_dim]` for int64 `positions [tokens]` (call `ensure` first)."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x `[tokens, heads, head_dim]` rotated by the half-split convention of Llama/Qwen checkpoints."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)          # [tokens, heads, head_dim]
+    return x * cos + rotated * sin
