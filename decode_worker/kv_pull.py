@@ -1,0 +1,90 @@
+"""Decode side of the KV hand-off (DESIGN §2 step 4): get a handle's blocks, never hang, never use wrong KV.
+
+    fallback chain, each step covering the blocks the previous one did not (a leading run at a time):
+      device prefix cache  ->  transfer (one batched one-sided read, bounded by a deadline)
+                           ->  this worker's store tiers (host, disk, Redis, S3)  ->  recompute
+
+Every transferred or stored block is verified by the codec (namespace, hash, layout, checksum) before use; a bad
+block ends the run there. A failed read is reported in `reason` ("lease expired", "peer unreachable",
+"deadline exceeded", "checksum mismatch", ...) and counted, not raised.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import NamedTuple, Sequence
+
+from kvstore import codec
+from kvstore.store import TieredStore
+from kvstore.transfer import (Descriptor, LeaseExpired, PeerUnavailable, TransferAgent, TransferError,
+                              TransferTimeout, UnknownRegion, pack_views)
+from strata.v1 import common_pb2
+from worker_common.engine_setup import EngineBundle
+from worker_common.kv_blocks import device_prefix_blocks, load_from_store, verified_payload
+
+log = logging.getLogger(__name__)
+
+_REASONS = ((LeaseExpired, "lease expired"), (PeerUnavailable, "peer unreachable"),
+            (TransferTimeout, "deadline exceeded"), (UnknownRegion, "unknown region"))
+
+
+class PullResult(NamedTuple):
+    payloads: list[memoryview | None]   # leading blocks: None = already on the device, else verified payload
+    on_device: int
+    transferred: int
+    from_store: int
+    reason: str                          # why blocks were not transferred; "" when every block was
+    elapsed_s: float
+
+
+class KvPuller:
+    def __init__(self, bundle: EngineBundle, store: TieredStore, agent: TransferAgent, deadline_s: float) -> None:
+        self.bundle, self.store, self.agent, self.deadline_s = bundle, store, agent, deadline_s
+        self.counts = {"transferred": 0, "from_store": 0, "recomputed": 0, "failed_reads": 0}
+
+    def pull(self, kv: common_pb2.KvHandle, num_blocks: int) -> PullResult:
+        """The first `num_blocks` blocks of the handle (the rest are recomputed by the engine anyway)."""
+        started = time.perf_counter()
+        hashes = list(kv.block_hashes[:num_blocks])
+        on_device = device_prefix_blocks(self.bundle, hashes)
+        payloads: list[memoryview | None] = [None] * on_device
+        transferred, reason = self._transfer(kv, hashes, on_device)
+        payloads += transferred
+        from_store = load_from_store(self.bundle, self.store, hashes[len(payloads):], kv.namespace_fingerprint)
+        payloads += from_store
+        if len(transferred) < len(hashes) - on_device and not reason:
+            reason = "not transferred"
+        return PullResult(payloads, on_device, len(transferred), len(from_store), reason,
+                          time.perf_counter() - started)
+
+    def _transfer(self, kv: common_pb2.KvHandle, hashes: Sequence[bytes], start: int) -> tuple[list, str]:
+        locations = kv.blocks[start:len(hashes)]
+        if not locations:
+            return [], ""
+        if any(loc.backend != self.agent.backend for loc in locations):
+            return [], f"backend {locations[0].backend!r} is not this worker's ({self.agent.backend!r})"
+        remaining_s = kv.lease_deadline_unix_ms / 1000.0 - time.time() if kv.lease_deadline_unix_ms else None
+        if remaining_s is not None and remaining_s <= 0:
+            return [], "lease expired"
+        descs = [Descriptor(loc.agent_address, loc.region_id, loc.offset, loc.length,
+                            loc.transfer_lease_id if loc.HasField("transfer_lease_id") else None)
+                 for loc in locations]
+        buf = bytearray(sum(d.length for d in descs))
+        views = pack_views(buf, descs)
+        try:
+            self.agent.read(descs, views, deadline_s=self.deadline_s)
+        except TransferError as exc:
+            self.counts["failed_reads"] += 1
+            log.info("KV transfer failed (%s); falling back to the store", exc)
+            return [], next((text for cls, text in _REASONS if isinstance(exc, cls)), f"transfer error: {exc}")
+        return self._verify(kv.namespace_fingerprint, hashes[start:], views)
+
+    def _verify(self, fingerprint: bytes, hashes: Sequence[bytes], views: list[memoryview]) -> tuple[list, str]:
+        payloads = []
+        for block_hash, view in zip(hashes, views):
+            try:
+                payloads.append(verified_payload(self.bundle, view, fingerprint, block_hash))
+            except codec.CorruptBlock as exc:
+                log.warning("transferred block %s failed verification: %s", bytes(block_hash).hex(), exc)
+                return payloads, "checksum mismatch"
+        return payloads, ""

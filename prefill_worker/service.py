@@ -1,0 +1,139 @@
+"""The prefill worker's gRPC service (DESIGN §2 step 3): Prefill, ReleaseKv, Abort, Health, Stats.
+
+    Prefill: validate -> load cached prefix blocks (device, else store) -> engine thread: install + add request
+             (max_tokens=1, chunked prefill by the scheduler) -> first token -> export blocks under a lease
+             -> PrefillResponse(first token, text delta, KvHandle, timings)
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import Sequence
+
+import grpc
+
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from kvstore.hashing import hash_blocks
+from kvstore.transfer import TransferConfig, create_agent
+from prefill_worker.kv_export import KvExporter
+from strata.v1 import common_pb2, worker_pb2
+from worker_common.admission import admit
+from worker_common.config import WorkerConfig
+from worker_common.convert import InvalidArgument, check_prompt, sampling_from_proto, stop_reason_fields
+from worker_common.engine_loop import Tracked
+from worker_common.engine_setup import EngineBundle
+from worker_common.handoff_pool import HandoffPool
+from worker_common.kv_blocks import cacheable_blocks, load_prefix, slot_bytes
+from worker_common.leases import LeaseTable
+from worker_common.server import WorkerBase
+from worker_common.streaming import ms
+from worker_common.text_stream import TextStream, engine_params
+
+_WAIT_S = 0.1
+
+
+class PrefillJob(Tracked):
+    """Engine-thread side of one Prefill: decides whether the first token ends the request, else exports the KV."""
+
+    def __init__(self, service: PrefillService, request_id: str, prompt: list[int], hashes: Sequence[bytes],
+                 fingerprint: bytes, params: SamplingParams, ttl_s: float) -> None:
+        super().__init__(None)
+        self.service, self.request_id, self.prompt, self.hashes = service, request_id, prompt, hashes
+        self.fingerprint, self.params, self.ttl_s = fingerprint, params, ttl_s
+        self.text = TextStream(service.bundle.tokenizer, prompt, params)
+        self.done = threading.Event()
+        self.response: worker_pb2.PrefillResponse | None = None
+        self.abort_reason = ""
+        self.first_output_at: float | None = None
+
+    def on_output(self, output: RequestOutput, now: float) -> bool:
+        self.first_output_at = now
+        token = output.new_token_ids[-1]
+        engine_stop = output.finish_reason == "stop"
+        length = self.params.max_tokens == 1 or len(self.prompt) + 1 >= self.service.bundle.max_model_len
+        delta = self.text.push([token], engine_stop or length)
+        response = worker_pb2.PrefillResponse(request_id=self.request_id, first_token_id=token,
+                                              first_text_delta=delta.text, worker_id=self.service.worker_id,
+                                              cached_tokens=output.num_cached_tokens)
+        if delta.stop_str is not None or engine_stop:
+            response.finish_reason = common_pb2.FINISH_REASON_STOP
+            for key, value in stop_reason_fields(delta.stop_str, token, self.params).items():
+                setattr(response, key, value)
+        elif length:
+            response.finish_reason = common_pb2.FINISH_REASON_LENGTH
+        else:
+            export = self.service.exporter.export(self.prompt, self.hashes, self.fingerprint, self.ttl_s)
+            response.kv.CopyFrom(export.handle)
+            response.timings.store_ms = ms(export.store_s)
+        self.response = response
+        self.done.set()
+        return True
+
+    def on_abort(self, reason: str) -> None:
+        self.abort_reason = reason
+        self.done.set()
+
+
+class PrefillService(WorkerBase):
+    def __init__(self, config: WorkerConfig, bundle: EngineBundle | None = None) -> None:
+        super().__init__(config, bundle)
+        self.agent = create_agent(TransferConfig(backend=config.transfer, host=config.host))
+        self.pool = HandoffPool(self.agent, slot_bytes(self.bundle), config.handoff_bytes)
+        self.leases = LeaseTable(self.agent, self.pool)
+        self.exporter = KvExporter(self.bundle, self.store, self.agent, self.pool, self.leases, self.worker_id)
+
+    def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.ServicerContext):
+        self.exporter.worker_address = self.address
+        try:
+            params = sampling_from_proto(request.sampling)
+            prompt = check_prompt(request.token_ids, self.bundle.runner.vocab_size, self.bundle.max_model_len)
+        except InvalidArgument as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        fingerprint = self.bundle.fingerprint_for(request.cache_salt)
+        hashes = hash_blocks(fingerprint, prompt, self.bundle.block_size)
+        ttl_s = request.lease_ms / 1000.0 if request.lease_ms else self.config.lease_ttl_s
+        job = PrefillJob(self, request.request_id, prompt, hashes, fingerprint, params, ttl_s)
+        self.claim(request.request_id, job, context)
+        try:
+            return self._run(job, context)
+        finally:
+            self.unclaim(request.request_id)
+
+    def _run(self, job: PrefillJob, context: grpc.ServicerContext) -> worker_pb2.PrefillResponse:
+        started = time.perf_counter()
+        cacheable = job.hashes[:cacheable_blocks(len(job.prompt), self.bundle.block_size)]
+        payloads = load_prefix(self.bundle, self.store, cacheable, job.fingerprint)
+        load_s = time.perf_counter() - started
+        # The engine stops after the first token; stop strings stay on the worker's text side.
+        params = dataclasses.replace(engine_params(job.params), max_tokens=1)
+        try:
+            self.loop.post(lambda: admit(self.loop, job, job.request_id, job.prompt, params, job.fingerprint,
+                                         cacheable, payloads)).result()
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        context.add_callback(lambda: self.loop.abort(job.request_id, "client cancelled"))
+        while not job.done.wait(_WAIT_S):
+            if not context.is_active():
+                self.loop.abort(job.request_id, "client gone")  # NOTE: idempotent with the cancel callback
+                return worker_pb2.PrefillResponse()
+        if job.response is None:
+            return worker_pb2.PrefillResponse(request_id=job.request_id, worker_id=self.worker_id,
+                                              finish_reason=common_pb2.FINISH_REASON_ABORT)
+        if job.response.kv.lease_id and not context.is_active():
+            self.leases.release(job.response.kv.lease_id)  # nobody will read it: do not wait for the TTL
+        timings = job.response.timings
+        scheduled = job.scheduled_at or job.arrived_at
+        timings.queue_ms = ms(scheduled - job.arrived_at)
+        timings.prefill_ms = ms(load_s + (job.first_output_at or scheduled) - scheduled)
+        return job.response
+
+    def ReleaseKv(self, request: worker_pb2.ReleaseKvRequest, context) -> worker_pb2.ReleaseKvResponse:
+        return worker_pb2.ReleaseKvResponse(released=self.leases.release(request.lease_id))
+
+    def close(self) -> None:
+        super().close()
+        self.leases.close()
+        self.pool.close()
+        self.agent.close()

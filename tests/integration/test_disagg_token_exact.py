@@ -1,0 +1,162 @@
+"""Disaggregation changes nothing in the output (issue 4, "Must show"): a prefill worker process and a decode worker
+process, talking gRPC and moving KV over a real transfer backend (shm, tcp), produce exactly the tokens, text and
+finish reasons that one engine produces alone, for greedy and seeded sampling, single requests and 16 concurrent
+requests with shared prefixes.
+
+The reference is an in-process `LLMEngine` built the same way the workers build theirs, but with its own
+detokenizer (so text and stop strings are the engine's, not the workers').
+"""
+from __future__ import annotations
+
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from engine.sampling_params import SamplingParams
+from strata.v1 import common_pb2
+from worker_common.client import Completion, disaggregated
+from worker_common.convert import FINISH_REASONS
+from worker_common.engine_setup import build_engine_from
+from worker_common.launch import WorkerProcess
+
+pytestmark = pytest.mark.slow
+
+MODEL = "llama"
+ENGINE_ARGS = ["--num-blocks", "512", "--max-num-batched-tokens", "256", "--handoff-mib", "16",
+               "--host-tier-mib", "16"]
+WORDS = range(3, 203)   # token ids the tiny tokenizer spells as words
+
+
+def make_prompt(rng: random.Random, length: int) -> list[int]:
+    return [rng.choice(WORDS) for _ in range(length)]
+
+
+def greedy(max_tokens: int = 12, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def seeded(seed: int, max_tokens: int = 12, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.9, top_k=40, top_p=0.95, seed=seed,
+                          ignore_eos=True, **kw)
+
+
+def start_pair(model: str, backend: str) -> tuple[WorkerProcess, WorkerProcess]:
+    common = ["--model", model, "--transfer", backend, *ENGINE_ARGS]
+    prefill = WorkerProcess("prefill", common, wait=False)
+    decode = WorkerProcess("decode", common, wait=False)
+    try:
+        return prefill.wait_ready(), decode.wait_ready()
+    except Exception:
+        prefill.stop()
+        decode.stop()
+        raise
+
+
+@pytest.fixture(scope="module")
+def model_path(tiny_checkpoint) -> str:
+    return str(tiny_checkpoint(MODEL).path)
+
+
+@pytest.fixture(scope="module")
+def reference(model_path):
+    return build_engine_from(model_path, num_blocks=512, max_num_batched_tokens=256, engine_text=True).engine
+
+
+@pytest.fixture(scope="module", params=["shm", "tcp"])
+def workers(request, model_path):
+    prefill, decode = start_pair(model_path, request.param)
+    yield prefill, decode
+    prefill.stop()
+    decode.stop()
+
+
+def assert_same(got: Completion, want) -> None:
+    assert got.token_ids == want.token_ids, f"{got.request_id}: tokens differ"
+    assert got.text == want.text, f"{got.request_id}: text differs"
+    assert got.finish_reason == FINISH_REASONS[want.finish_reason], f"{got.request_id}: finish reason differs"
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("params", [greedy(), seeded(7)], ids=["greedy", "seeded"])
+def test_single_request_matches_one_engine(workers, reference, params):
+    prefill, decode = workers
+    prompt = make_prompt(random.Random(1), 57)           # 3 full blocks + a 9-token tail
+    want = reference.generate([prompt], params)[0]
+    got = disaggregated(prefill.stub(), decode.stub(), f"single-{params.seed}", prompt, params)
+    assert_same(got, want)
+    last = got.last_chunk
+    assert (last.blocks_transferred, last.blocks_from_store, last.blocks_recomputed) in ((3, 0, 0), (0, 3, 0))
+    assert last.kv_fallback_reason == ""
+    assert got.usage.completion_tokens == len(want.token_ids)
+    assert got.prefill.kv.lease_id and len(got.prefill.kv.blocks) == 3
+
+
+@pytest.mark.timeout(600)
+def test_sixteen_concurrent_requests_with_shared_prefixes_match_one_engine(workers, reference):
+    rng = random.Random(16)
+    system_a, system_b = make_prompt(rng, 40), make_prompt(rng, 23)
+    prompts = [(system_a if i < 12 else system_b) + make_prompt(rng, rng.randrange(1, 30)) for i in range(16)]
+    params = [greedy(10) if i % 2 else seeded(100 + i, 10) for i in range(16)]
+    want = reference.generate(prompts, params)
+    prefill, decode = workers[0].stub(), workers[1].stub()
+    with ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(lambda i: disaggregated(prefill, decode, f"conc-{i}", prompts[i], params[i]), range(16)))
+    for g, w in zip(got, want):
+        assert_same(g, w)
+    for g in got:
+        assert g.last_chunk.blocks_recomputed == 0 and g.last_chunk.kv_fallback_reason == ""
+
+
+@pytest.mark.timeout(600)
+def test_stop_string_and_stop_token_match_one_engine(workers, reference):
+    """Text is held back and cut exactly as the single engine does, across the prefill/decode boundary."""
+    prefill, decode = workers
+    prompt = make_prompt(random.Random(3), 35)
+    free = reference.generate([prompt], greedy(16))[0]
+    words = free.text.split()
+    assert len(words) >= 4, "the tiny model should spell some words"
+    for params in (greedy(16, stop=(words[3],)), greedy(16, stop_token_ids=(free.token_ids[5],)),
+                   greedy(16, stop=(words[2][:2] + "zz",))):
+        want = reference.generate([prompt], params)[0]
+        got = disaggregated(prefill.stub(), decode.stub(), f"stop-{params.stop}-{params.stop_token_ids}", prompt,
+                            params)
+        assert_same(got, want)
+
+
+@pytest.mark.timeout(600)
+def test_first_token_that_ends_the_request_is_answered_by_prefill_alone(workers, reference):
+    prefill, decode = workers
+    prompt = make_prompt(random.Random(4), 20)
+    want = reference.generate([prompt], greedy(1))[0]
+    got = disaggregated(prefill.stub(), decode.stub(), "one-token", prompt, greedy(1))
+    assert_same(got, want)
+    assert got.prefill.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert not got.prefill.kv.lease_id and got.last_chunk is None
+
+
+@pytest.mark.timeout(600)
+def test_salted_requests_match_and_do_not_share_blocks(workers, reference):
+    prefill, decode = workers
+    prompt = make_prompt(random.Random(5), 48)
+    want = reference.generate([prompt], seeded(9))[0]
+    plain = disaggregated(prefill.stub(), decode.stub(), "salt-none", prompt, seeded(9))
+    salted = disaggregated(prefill.stub(), decode.stub(), "salt-t1", prompt, seeded(9), cache_salt="tenant-1")
+    assert_same(plain, want)
+    assert_same(salted, want)
+    assert plain.prefill.kv.namespace_fingerprint != salted.prefill.kv.namespace_fingerprint
+    assert set(plain.prefill.kv.block_hashes).isdisjoint(salted.prefill.kv.block_hashes)
+
+
+@pytest.mark.timeout(600)
+def test_matches_the_offline_llm_api(workers, model_path):
+    """The public single-engine API (`strata.llm.LLM`, its own batching defaults) gives the same answers."""
+    from strata.llm import LLM
+
+    llm = LLM(model_path, num_blocks=512)
+    prefill, decode = workers
+    rng = random.Random(8)
+    prompts = [make_prompt(rng, n) for n in (16, 33, 70)]
+    params = [greedy(8), seeded(77, 8), seeded(78, 8, stop_token_ids=(5,))]
+    for i, (prompt, p, want) in enumerate(zip(prompts, params, llm.generate(prompts, params))):
+        assert_same(disaggregated(prefill.stub(), decode.stub(), f"llm-{i}", prompt, p), want)

@@ -1,0 +1,126 @@
+"""The KV bridge in one process: blocks copied out of one engine's paged cache, encoded, verified and installed
+into another engine's cache make that engine resume exactly where the first stopped (no sockets here; the
+integration tests do the same across processes)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from engine.sampling_params import SamplingParams
+from kvstore import codec
+from kvstore.hashing import hash_blocks
+from worker_common.admission import admit
+from worker_common.engine_loop import EngineLoop, Tracked
+from worker_common.engine_setup import build_engine_from
+from worker_common.kv_blocks import (encode_block, install_blocks, read_device_payloads, slot_bytes,
+                                     verified_payload)
+from worker_common.text_stream import TextStream
+
+PROMPT = [5 + (i * 7) % 190 for i in range(41)]       # 2 full blocks of 16 + a 9-token tail
+PARAMS = SamplingParams(max_tokens=8, temperature=0.8, seed=11, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_checkpoint) -> str:
+    return str(tiny_checkpoint("llama").path)
+
+
+def engine_of(model: str, text: bool = False):
+    return build_engine_from(model, num_blocks=64, engine_text=text)
+
+
+def prefill_and_export(bundle, prompt, params):
+    """First token with max_tokens=1, then the encoded full blocks (what a prefill worker hands over)."""
+    fp = bundle.fingerprint_for("")
+    first = bundle.engine.generate([prompt], dataclasses.replace(params, max_tokens=1))[0].token_ids[0]
+    hashes = hash_blocks(fp, prompt, bundle.block_size)
+    pool = bundle.engine.block_manager.pool
+    payloads = read_device_payloads(bundle, [pool.lookup(h) for h in hashes])
+    encoded = []
+    for i, (block_hash, payload) in enumerate(zip(hashes, payloads)):
+        out = bytearray(slot_bytes(bundle))
+        n = encode_block(memoryview(out), bundle, fp, block_hash, hashes[i - 1] if i else None,
+                         prompt[i * 16:(i + 1) * 16], payload)
+        encoded.append(memoryview(out)[:n])
+    return first, hashes, encoded
+
+
+def run_admitted(bundle, prompt, params, hashes, payloads, first_token):
+    loop = EngineLoop(bundle)
+    tracked = Tracked(None)
+    installed = admit(loop, tracked, "r", prompt, params, bundle.fingerprint_for(""), hashes, payloads,
+                      first_token)
+    outputs = []
+    while bundle.engine.has_unfinished():
+        outputs += bundle.engine.step()
+    bundle.engine.block_manager.pool.release(tracked.pinned)
+    return installed, outputs[-1]
+
+
+def test_installed_blocks_resume_the_request_token_exactly(model):
+    want = engine_of(model, text=True).engine.generate([PROMPT], PARAMS)[0]
+    first, hashes, encoded = prefill_and_export(engine_of(model), PROMPT, PARAMS)
+    decode = engine_of(model)
+    payloads = [verified_payload(decode, view, decode.fingerprint_for(""), h) for h, view in zip(hashes, encoded)]
+    installed, last = run_admitted(decode, PROMPT, PARAMS, hashes, payloads, first)
+    assert installed.num_blocks == 2 and installed.num_written == 2
+    assert last.num_cached_tokens == 32, "the request took both installed blocks as its prefix"
+    assert last.token_ids == want.token_ids
+    decode.engine.block_manager.check_integrity()
+
+
+def test_install_stops_at_the_first_block_it_cannot_provide(model):
+    bundle = engine_of(model)
+    _, hashes, encoded = prefill_and_export(engine_of(model), PROMPT, PARAMS)
+    payloads = [verified_payload(bundle, encoded[0], bundle.fingerprint_for(""), hashes[0]), None]
+    result = install_blocks(bundle, hashes, payloads)
+    assert (result.num_blocks, result.num_written) == (1, 1)
+    pool = bundle.engine.block_manager.pool
+    assert pool.lookup(hashes[0]) == result.pinned[0] and pool.lookup(hashes[1]) is None
+    pool.release(result.pinned)
+    bundle.engine.block_manager.check_integrity()
+
+
+def test_a_block_of_another_namespace_fails_verification(model):
+    bundle = engine_of(model)
+    _, hashes, encoded = prefill_and_export(engine_of(model), PROMPT, PARAMS)
+    with pytest.raises(codec.CorruptBlock, match="fingerprint"):
+        verified_payload(bundle, encoded[0], bundle.fingerprint_for("tenant-2"), hashes[0])
+    corrupt = bytearray(encoded[1])
+    corrupt[-1] ^= 0xFF
+    with pytest.raises(codec.CorruptBlock, match="payload_checksum"):
+        verified_payload(bundle, memoryview(corrupt), bundle.fingerprint_for(""), hashes[1])
+
+
+def test_text_split_at_the_first_token_equals_the_single_engine_text(model):
+    reference = engine_of(model, text=True)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    want = reference.engine.generate([PROMPT], params)[0]
+    tokenizer = reference.tokenizer
+    prefill_side, decode_side = TextStream(tokenizer, PROMPT, params), TextStream(tokenizer, PROMPT, params)
+    text = prefill_side.push(want.token_ids[:1], False).text
+    decode_side.push(want.token_ids[:1], False)
+    for i, token in enumerate(want.token_ids[1:], start=2):
+        text += decode_side.push([token], i == len(want.token_ids)).text
+    assert text == want.text
+
+
+def test_finished_blocks_written_to_the_store_load_into_another_engine(model):
+    from kvstore.config import HostTierConfig, StoreConfig
+    from kvstore.store import TieredStore
+    from worker_common.kv_blocks import load_prefix, store_computed_blocks
+
+    first = engine_of(model)
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    out = first.engine.generate([PROMPT], params)[0]
+    tokens = PROMPT + out.token_ids                      # 51 tokens: 50 computed, 3 full blocks
+    fp = first.fingerprint_for("")
+    with TieredStore(StoreConfig(host=HostTierConfig(capacity_bytes=1 << 20))) as store:
+        assert store_computed_blocks(first, store, tokens, fp) == 3
+        assert store_computed_blocks(first, store, tokens, fp) == 0, "blocks the host tier holds are skipped"
+        second = engine_of(model)
+        hashes = hash_blocks(fp, tokens, 16)[:3]
+        payloads = load_prefix(second, store, hashes, fp)
+    assert len(payloads) == 3 and all(p is not None for p in payloads)
+    assert install_blocks(second, hashes, payloads).num_written == 3

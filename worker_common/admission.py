@@ -1,0 +1,38 @@
+"""Adding a request whose first blocks' KV is provided (pulled or loaded), so it resumes right after them.
+
+    admit(...) on the engine thread:
+      install_blocks(hashes, payloads)        -> blocks written, registered in the prefix index, pinned
+      engine.add_request(prompt, params)      -> its prefix match takes the pinned blocks at scheduling
+      request.append_output(first_token)      -> (decode) the first token, sampled by the prefill worker
+      loop.track(tracked)                     -> outputs fan out; pins released when the request leaves
+
+Appending the first token as an *output* (not a prompt token) keeps the sampler's position, max_tokens and the stop
+rules exactly where the single engine has them, so a seeded request continues the same random stream.
+"""
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+from engine.sampling_params import SamplingParams
+from worker_common.engine_loop import EngineLoop, Tracked
+from worker_common.kv_blocks import InstallResult, install_blocks
+
+
+def admit(loop: EngineLoop, tracked: Tracked, request_id: str, prompt: Sequence[int], params: SamplingParams,
+          fingerprint: bytes, hashes: Sequence[bytes], payloads: Sequence[memoryview | None],
+          first_token: int | None = None) -> InstallResult:
+    """Engine thread only. Raises ValueError (nothing changed) when the engine refuses the request."""
+    bundle = loop.bundle
+    installed = install_blocks(bundle, hashes, payloads)
+    try:
+        request = bundle.engine.add_request(request_id, prompt, params, hash_root=fingerprint)
+    except ValueError:
+        bundle.engine.block_manager.pool.release(installed.pinned)
+        raise
+    if first_token is not None:
+        request.append_output(first_token)
+    tracked.request, tracked.pinned = request, installed.pinned
+    tracked.arrived_at = time.perf_counter()  # queue time starts when the engine has the request
+    loop.track(tracked)
+    return installed

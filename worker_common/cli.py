@@ -1,0 +1,44 @@
+"""Command-line flags shared by `python -m prefill_worker` and `python -m decode_worker`."""
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Sequence
+
+from strata.paths import resolve_model
+from worker_common.config import WorkerConfig
+
+
+def parse_config(role: str, argv: Sequence[str] | None = None) -> WorkerConfig:
+    d = WorkerConfig(role=role, model="-")
+    p = argparse.ArgumentParser(prog=f"python -m {role}_worker",
+                                description=f"Strata {role} worker (gRPC strata.v1.Worker).")
+    p.add_argument("--model", default=None, help="checkpoint folder or bundled model name (default: bundled)")
+    p.add_argument("--host", default=d.host)
+    p.add_argument("--port", type=int, default=d.port, help="gRPC port (0 = a free port, printed on READY)")
+    p.add_argument("--worker-id", default="")
+    p.add_argument("--transfer", choices=("shm", "tcp"), default=d.transfer, help="KV transfer backend")
+    p.add_argument("--dtype", default=d.dtype)
+    p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument("--num-blocks", type=int, default=d.num_blocks)
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    p.add_argument("--lease-ttl-s", type=float, default=d.lease_ttl_s, help="prefill: KV lease without ReleaseKv")
+    p.add_argument("--handoff-mib", type=int, default=d.handoff_bytes >> 20, help="prefill: hand-off region")
+    p.add_argument("--host-tier-mib", type=int, default=d.host_tier_bytes >> 20)
+    p.add_argument("--transfer-deadline-s", type=float, default=d.transfer_deadline_s,
+                   help="decode: bound on one KV read before falling back to the store, then recompute")
+    p.add_argument("--disk-path", default="", help="add a disk tier here (written through)")
+    p.add_argument("--redis-url", default="", help="add a shared Redis tier (written through)")
+    p.add_argument("--log-level", default="WARNING")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s {role} %(levelname)s %(name)s: "
+                                                             "%(message)s")
+    return WorkerConfig(
+        role=role, model=resolve_model(args.model), host=args.host, port=args.port, worker_id=args.worker_id,
+        transfer=args.transfer, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len, lease_ttl_s=args.lease_ttl_s, handoff_bytes=args.handoff_mib << 20,
+        host_tier_bytes=args.host_tier_mib << 20, transfer_deadline_s=args.transfer_deadline_s,
+        disk_path=args.disk_path, redis_url=args.redis_url)

@@ -1,0 +1,97 @@
+"""Proto messages <-> engine types, with the validation errors the API promises (INVALID_ARGUMENT names the field)."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from engine.sampling_params import SamplingParams
+from kvstore.hashing import HASH_BYTES
+from kvstore.store import TieredStore
+from strata.v1 import common_pb2
+
+DEFAULT_MAX_TOKENS = 64
+
+FINISH_REASONS = {
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+}
+_SHARED_TIERS = ("redis", "s3")
+
+
+class InvalidArgument(ValueError):
+    """A request field is out of range; the message names it."""
+
+
+def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
+    max_tokens = msg.max_tokens if msg.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+    if max_tokens == 0:
+        raise InvalidArgument("sampling.max_tokens must be >= 1, got 0")
+    if msg.HasField("top_p") and not 0.0 < msg.top_p <= 1.0:
+        raise InvalidArgument(f"sampling.top_p must be in (0, 1], got {msg.top_p}")
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=msg.temperature, top_k=msg.top_k,
+            top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+            seed=msg.seed if msg.HasField("seed") else None, stop=tuple(msg.stop),
+            stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
+            include_stop_str_in_output=msg.include_stop_str_in_output)
+    except ValueError as exc:
+        raise InvalidArgument(f"sampling.{exc}") from None
+
+
+def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature,
+                                    top_k=params.top_k, top_p=params.top_p, stop=list(params.stop),
+                                    stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
+                                    include_stop_str_in_output=params.include_stop_str_in_output)
+    if params.seed is not None:
+        msg.seed = params.seed
+    return msg
+
+
+def check_prompt(token_ids: Sequence[int], vocab_size: int, max_model_len: int) -> list[int]:
+    if not token_ids:
+        raise InvalidArgument("token_ids must not be empty")
+    bad = next((t for t in token_ids if t >= vocab_size), None)
+    if bad is not None:
+        raise InvalidArgument(f"token_ids must be in [0, {vocab_size}), got {bad}")
+    if len(token_ids) >= max_model_len:
+        raise InvalidArgument(f"token_ids: {len(token_ids)} tokens leave no room below max_model_len "
+                              f"{max_model_len}")
+    return list(token_ids)
+
+
+def check_handle(kv: common_pb2.KvHandle, num_prompt_tokens: int) -> None:
+    """KvHandle invariants (worker.proto); an empty handle is valid."""
+    if not kv.block_hashes and not kv.blocks:
+        return
+    if len(kv.namespace_fingerprint) != HASH_BYTES:
+        raise InvalidArgument(f"kv.namespace_fingerprint must be {HASH_BYTES} bytes, "
+                              f"got {len(kv.namespace_fingerprint)}")
+    if any(len(h) != HASH_BYTES for h in kv.block_hashes):
+        raise InvalidArgument(f"kv.block_hashes must be {HASH_BYTES} bytes each")
+    if len(kv.blocks) != len(kv.block_hashes):
+        raise InvalidArgument(f"kv.blocks has {len(kv.blocks)} entries, kv.block_hashes {len(kv.block_hashes)}")
+    if len(kv.block_hashes) * kv.block_size > num_prompt_tokens:
+        raise InvalidArgument(f"kv.block_hashes cover {len(kv.block_hashes) * kv.block_size} tokens, the prompt "
+                              f"has {num_prompt_tokens}")
+
+
+def stop_reason_fields(stop_str: str | None, token_id: int | None, params: SamplingParams) -> dict:
+    """The `stop_reason` oneof: the stop string, or a stop token id (unset for end-of-sequence)."""
+    if stop_str is not None:
+        return {"stop_str": stop_str}
+    if token_id is not None and token_id in params.stop_token_ids:
+        return {"stop_token_id": token_id}
+    return {}
+
+
+def cache_stats(worker_id: str, store: TieredStore, collected_at_ms: int) -> common_pb2.WorkerCacheStats:
+    tiers = []
+    for name, s in store.stats().items():
+        tiers.append(common_pb2.CacheTierStats(
+            tier=name, shared=name in _SHARED_TIERS, capacity_bytes=s.capacity_bytes, used_bytes=s.used_bytes,
+            blocks=s.blocks, hit_blocks=s.hits, miss_blocks=s.misses, bytes_read=s.bytes_read,
+            bytes_written=s.bytes_written, evictions=s.evictions, promotions=s.promotions,
+            demotions=s.demotions, errors=s.errors, checksum_failures=s.checksum_failures, healthy=s.healthy))
+    return common_pb2.WorkerCacheStats(worker_id=worker_id, tiers=tiers, collected_at_unix_ms=collected_at_ms)

@@ -1,0 +1,153 @@
+"""The engine thread: the only thread that touches the engine, its block manager and its paged cache.
+
+gRPC handlers never call the engine. They `post` closures to this thread (add a request, install pulled KV, abort)
+and wait on their own queues; the loop runs `LLMEngine.step()` while anything is unfinished and hands each output
+to the request's `Tracked` sink, still on the engine thread (so a sink may read the cache before the next step
+can overwrite a freed block).
+
+    handler threads --post(fn)--> [commands] --> engine thread: drain commands, step(), fan out to sinks
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from typing import Callable, TypeVar
+
+from engine.outputs import RequestOutput
+from engine.request import Request, RequestStatus
+from worker_common.engine_setup import EngineBundle
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+_IDLE_WAIT_S = 0.05
+
+
+class Tracked:
+    """One request the loop fans out to. Subclasses override the `on_*` hooks (called on the engine thread).
+
+    `pinned` are block ids the worker took a reference on (installed KV); the loop releases them when the request
+    leaves, whatever the reason.
+    """
+
+    def __init__(self, request: Request | None) -> None:
+        self.request = request
+        self.arrived_at = time.perf_counter()
+        self.scheduled_at: float | None = None
+        self.pinned: list[int] = []
+
+    def on_output(self, output: RequestOutput, now: float) -> bool:
+        """Handle one step's output; return True to end the request now (e.g. a stop string matched)."""
+        return False
+
+    def on_abort(self, reason: str) -> None:
+        """The request was removed before finishing (Abort, client gone, engine failure)."""
+
+
+class EngineLoop:
+    def __init__(self, bundle: EngineBundle, name: str = "engine") -> None:
+        self.bundle = bundle
+        self.engine = bundle.engine
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._tracked: dict[str, Tracked] = {}
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.num_steps = 0
+
+    # ---- any thread -----------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stopping.set()
+        self._commands.put(lambda: None)
+        self._thread.join(timeout_s)
+
+    def post(self, fn: Callable[[], T]) -> Future:
+        """Run `fn` on the engine thread between steps; its result or exception lands in the future."""
+        future: Future = Future()
+
+        def run() -> None:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+                    future.set_exception(exc)
+        self._commands.put(run)
+        return future
+
+    def abort(self, request_id: str, reason: str) -> Future:
+        """End a request (idempotent); the future's result says whether it was in flight."""
+        return self.post(lambda: self._abort(request_id, reason))
+
+    @property
+    def num_tracked(self) -> int:
+        return len(self._tracked)
+
+    # ---- engine thread only ---------------------------------------------------------------------------------
+
+    def track(self, tracked: Tracked) -> None:
+        self._tracked[tracked.request.request_id] = tracked
+
+    def _abort(self, request_id: str, reason: str) -> bool:
+        tracked = self._tracked.pop(request_id, None)
+        self.engine.abort(request_id)
+        if tracked is None:
+            return False
+        self._release(tracked)
+        tracked.on_abort(reason)
+        return True
+
+    def _release(self, tracked: Tracked) -> None:
+        if tracked.pinned:
+            self.engine.block_manager.pool.release(tracked.pinned)
+            tracked.pinned = []
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            self._drain(block=not self.engine.has_unfinished())
+            if self.engine.has_unfinished() and not self._stopping.is_set():
+                self._step()
+        for request_id in list(self._tracked):
+            self._abort(request_id, "worker shutting down")
+
+    def _drain(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
+            while True:
+                command()
+                command = self._commands.get_nowait()
+        except queue.Empty:
+            return
+
+    def _step(self) -> None:
+        started = time.perf_counter()
+        try:
+            outputs = self.engine.step()
+        except Exception:  # noqa: BLE001 - fail the requests, keep the worker serving
+            log.exception("engine step failed; aborting every in-flight request")
+            for request_id in list(self._tracked):
+                self._abort(request_id, "engine step failed")
+            return
+        self.num_steps += 1
+        now = time.perf_counter()
+        for tracked in self._tracked.values():
+            if tracked.scheduled_at is None and tracked.request.status is not RequestStatus.WAITING:
+                tracked.scheduled_at = started
+        for output in outputs:
+            tracked = self._tracked.get(output.request_id)
+            if tracked is None:
+                continue
+            try:
+                end_now = tracked.on_output(output, now)
+            except Exception:  # noqa: BLE001 - one request's sink must not stop the loop
+                log.exception("output handler of %s failed", output.request_id)
+                self._abort(output.request_id, "worker error while handling output")
+                continue
+            if output.finished or end_now:
+                if not output.finished:
+                    self.engine.abort(output.request_id)
+                self._release(self._tracked.pop(output.request_id))

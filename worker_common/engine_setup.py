@@ -1,0 +1,75 @@
+"""Build one engine the way every worker (and the single-engine reference in tests) builds it.
+
+The block hash function and the namespace root come from `kvstore.hashing` and are injected into the engine
+(DESIGN §1, §3): `engine` never imports `kvstore`. The namespace is `strata.llm.kv_namespace` (model fingerprint,
+KV layout, dtype), so workers and the offline `LLM` agree on block identity exactly when blocks are interchangeable.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.llm_engine import LLMEngine
+from engine.model_runner import ModelRunner
+from kvstore import codec
+from kvstore.hashing import BlockHash, Namespace, hash_block
+from strata.config import CacheConfig, ModelConfig, SchedulerConfig
+from strata.llm import kv_namespace
+from worker_common.config import WorkerConfig
+
+
+@dataclass
+class EngineBundle:
+    """The engine plus the facts about its KV that the bridge needs."""
+
+    runner: ModelRunner
+    engine: LLMEngine
+    namespace: Namespace         # salt-free; `fingerprint_for(salt)` gives a tenant's root
+    layout: codec.BlockLayout
+    kv_dtype: str
+    max_model_len: int
+
+    @property
+    def block_size(self) -> int:
+        return self.layout.block_size
+
+    @property
+    def tokenizer(self):
+        return self.runner.tokenizer
+
+    def fingerprint_for(self, cache_salt: str) -> BlockHash:
+        return self.namespace.with_salt(cache_salt).fingerprint()
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """`[num_layers, 2, block_size, kv_heads, head_dim]`."""
+        return tuple(self.runner.kv_cache.shape[1:])
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return self.runner.kv_cache.dtype
+
+
+def build_engine(config: WorkerConfig) -> EngineBundle:
+    return build_engine_from(config.model, config.dtype, config.block_size, config.num_blocks, config.max_num_seqs,
+                             config.max_num_batched_tokens, config.max_model_len)
+
+
+def build_engine_from(model: str, dtype: str = "float32", block_size: int = 16, num_blocks: int = 1024,
+                      max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
+                      max_model_len: int = 2048, *, engine_text: bool = False) -> EngineBundle:
+    """`engine_text=True` lets the engine detokenize (the single-engine reference); workers leave it False."""
+    cache_config = CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=True)
+    scheduler_config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                       max_model_len=max_model_len)
+    runner = ModelRunner(ModelConfig(model, dtype=dtype), cache_config)
+    spec = runner.spec
+    layout = codec.BlockLayout(spec.num_layers, block_size, spec.num_kv_heads, spec.head_dim)
+    namespace = kv_namespace(runner, cache_config, dtype)  # the one definition `strata.llm` uses too
+    # NOTE: tokenizer=None: the workers detokenize themselves (worker_common.text_stream), because a decode
+    # worker's text must continue after a first token another process sampled.
+    tokenizer = runner.tokenizer if engine_text else None
+    engine = LLMEngine(runner, tokenizer, cache_config, scheduler_config, hash_block, namespace.fingerprint(),
+                       runner.tokenizer.eos_token_ids)
+    return EngineBundle(runner, engine, namespace, layout, dtype, max_model_len)

@@ -1,0 +1,149 @@
+"""The KV bridge between the engine's paged cache and the store / transfer bytes (DESIGN §1, §4).
+
+    device cache --read_device_payloads--> raw payloads --codec.encode_into--> store / hand-off slots
+    transfer / store bytes --codec.decode (verified)--> payload views --install_blocks--> device cache
+
+`install_blocks` makes pulled KV look computed: each block is written into a fresh device block, registered in the
+block pool under its hash (the prefix index), and pinned by the worker until the request leaves, so the request's
+own prefix match takes it and resumes right after it. It uses the pool's public API only (allocate, register,
+touch, release); the pins are references no block table holds, so `BlockManager.check_integrity` counts them as
+foreign while a request is being installed.
+Engine-thread only (`install_blocks`, `read_device_payloads`); the rest is pure.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import numpy as np
+import torch
+
+from kvstore import codec
+from kvstore.hashing import hash_blocks
+from kvstore.store import TieredStore
+from worker_common.engine_setup import EngineBundle
+
+
+class InstallResult(NamedTuple):
+    pinned: list[int]        # device block ids now referenced by the worker (release when the request leaves)
+    num_blocks: int          # leading blocks of the request now in the device cache
+    num_written: int         # of those, blocks written from payloads (the rest were already on the device)
+
+
+def slot_bytes(bundle: EngineBundle) -> int:
+    """Bytes of one encoded block that carries its token ids."""
+    return codec.encoded_size(bundle.layout.payload_bytes(bundle.kv_dtype), 0, bundle.block_size)
+
+
+def read_device_payloads(bundle: EngineBundle, block_ids: Sequence[int]) -> np.ndarray:
+    """Raw KV of device blocks, `[n, payload_bytes]` uint8 (one batched gather)."""
+    data = bundle.runner.read_blocks(list(block_ids))  # [n, layers, 2, block_size, kv_heads, head_dim]
+    return data.contiguous().view(torch.uint8).reshape(len(block_ids), -1).cpu().numpy()
+
+
+def encode_block(out: memoryview, bundle: EngineBundle, fingerprint: bytes, block_hash: bytes,
+                 parent_hash: bytes | None, tokens: Sequence[int], payload: np.ndarray) -> int:
+    return codec.encode_into(out, fingerprint, block_hash, bundle.layout, bundle.kv_dtype, memoryview(payload),
+                             tokens=tokens, parent_hash=parent_hash)
+
+
+def verified_payload(bundle: EngineBundle, data: memoryview, fingerprint: bytes, block_hash: bytes) -> memoryview:
+    """The payload of an encoded block after every codec check; raises `codec.CorruptBlock`."""
+    block = codec.decode(data, fingerprint, block_hash, bundle.layout)
+    if block.header.dtype != bundle.kv_dtype:
+        raise codec.CorruptBlock("dtype", f"block is {block.header.dtype}, this worker's KV is {bundle.kv_dtype}")
+    return block.payload
+
+
+def device_prefix_blocks(bundle: EngineBundle, hashes: Sequence[bytes]) -> int:
+    """Leading blocks the device prefix cache holds now (a hint from any thread: the answer may go stale)."""
+    pool = bundle.engine.block_manager.pool
+    for i, block_hash in enumerate(hashes):
+        if pool.lookup(block_hash) is None:
+            return i
+    return len(hashes)
+
+
+def install_blocks(bundle: EngineBundle, hashes: Sequence[bytes],
+                   payloads: Sequence[memoryview | None]) -> InstallResult:
+    """Pin the leading blocks already on the device and write the given payloads for the others, in order,
+    stopping at the first block that is neither (payload None and not on the device) or when no block is free.
+    Engine thread only."""
+    pool = bundle.engine.block_manager.pool
+    pinned: list[int] = []
+    write_ids: list[int] = []
+    write_payloads: list[memoryview] = []
+    for block_hash, payload in zip(hashes, payloads):
+        block_id = pool.lookup(block_hash)
+        if block_id is not None:
+            pool.touch([block_id])
+        elif payload is None or pool.num_free_blocks == 0:
+            break
+        else:
+            block_id = pool.allocate()  # NOTE: pinned blocks have ref > 0, so this never evicts one of them
+            pool.register(block_id, block_hash)
+            write_ids.append(block_id)
+            write_payloads.append(payload)
+        pinned.append(block_id)
+    if write_ids:
+        bundle.runner.write_blocks(write_ids, _payload_tensor(bundle, write_payloads))
+    return InstallResult(pinned, len(pinned), len(write_ids))
+
+
+def _payload_tensor(bundle: EngineBundle, payloads: Sequence[memoryview]) -> torch.Tensor:
+    size = bundle.layout.payload_bytes(bundle.kv_dtype)
+    buf = bytearray(size * len(payloads))
+    for i, payload in enumerate(payloads):
+        buf[i * size:(i + 1) * size] = payload
+    raw = torch.frombuffer(buf, dtype=torch.uint8)
+    return raw.view(bundle.torch_dtype).view(len(payloads), *bundle.block_shape)  # [n, layers, 2, bs, H, D]
+
+
+def load_from_store(bundle: EngineBundle, store: TieredStore, hashes: Sequence[bytes],
+                    fingerprint: bytes) -> list[memoryview]:
+    """Verified payloads of the leading blocks any tier of `store` holds (possibly none)."""
+    if not hashes:
+        return []
+    found = store.lookup(list(hashes)).num_hit_blocks
+    if not found:
+        return []
+    size = slot_bytes(bundle)
+    bufs = [bytearray(size) for _ in range(found)]
+    result = store.get(list(hashes[:found]), bufs, fingerprint)
+    return [block.payload for block in result.blocks[:result.num_hit_blocks]]
+
+
+def store_computed_blocks(bundle: EngineBundle, store: TieredStore, token_ids: Sequence[int],
+                          fingerprint: bytes) -> int:
+    """Write the full, computed blocks of a just-finished request (prompt + outputs; the last sampled token has no
+    KV) that the host tier lacks, so the next turn of the conversation hits (DESIGN §2 step 5). Engine thread,
+    right after the step that finished the request; blocks no longer on the device are skipped. Returns how many
+    were written."""
+    bs = bundle.block_size
+    hashes = hash_blocks(fingerprint, token_ids, bs)[:cacheable_blocks(len(token_ids), bs)]
+    missing = [i for i, held in enumerate(store.host.contains(hashes)) if not held]
+    pool = bundle.engine.block_manager.pool
+    present = [(i, pool.lookup(hashes[i])) for i in missing]
+    present = [(i, block_id) for i, block_id in present if block_id is not None]
+    if not present:
+        return 0
+    payloads = read_device_payloads(bundle, [block_id for _, block_id in present])
+    items = []
+    for (i, _), payload in zip(present, payloads):
+        out = bytearray(slot_bytes(bundle))
+        n = encode_block(memoryview(out), bundle, fingerprint, hashes[i], hashes[i - 1] if i else None,
+                         token_ids[i * bs:(i + 1) * bs], payload)
+        items.append((hashes[i], memoryview(out)[:n]))
+    return store.put(items).stored
+
+
+def load_prefix(bundle: EngineBundle, store: TieredStore, hashes: Sequence[bytes],
+                fingerprint: bytes) -> list[memoryview | None]:
+    """What `install_blocks` needs for a prompt's cacheable blocks: None for the leading blocks the device holds,
+    then verified payloads of the next ones any store tier holds."""
+    on_device = device_prefix_blocks(bundle, hashes)
+    return [None] * on_device + load_from_store(bundle, store, hashes[on_device:], fingerprint)
+
+
+def cacheable_blocks(num_tokens: int, block_size: int) -> int:
+    """Leading full blocks a request of `num_tokens` can take from a cache: the last token is always computed."""
+    return (num_tokens - 1) // block_size
