@@ -73,6 +73,7 @@ class ModelRunner:
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         self.cache.write_blocks(block_ids, data)
+        self.attention.invalidate()
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> torch.Tensor:
@@ -85,7 +86,11 @@ class ModelRunner:
         meta = self.attention.build_metadata(batch, self.block_size, self.device, self.dtype)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)          # [T]
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)          # [T]
-        hidden = self.model(input_ids, pos, self.attention, self.cache.layers, meta)  # [T, H]
+        try:
+            hidden = self.model(input_ids, pos, self.attention, self.cache.layers, meta)  # [T, H]
+        except BaseException:
+            self.attention.invalidate()     # a half-run step leaves derived attention state behind the cache
+            raise
         if len(logit_rows) != len(ids):
             hidden = hidden[torch.tensor(logit_rows, dtype=torch.int64, device=self.device)]  # [N, H]
         return self.model.logits(hidden)                                              # [N, V]

@@ -23,6 +23,10 @@ class AttentionBackend(ABC):
       `block_table[pos // block_size] * block_size + pos % block_size`, then returns the attention output
       `[tokens, num_heads, head_dim]` in the same row order. Query at position p sees keys at positions <= p of
       its own sequence only. It writes no cache slot other than the step's own.
+    - A backend may keep state derived from the cache across steps (torch: the running decode batch's K/V, see
+      decode_buffer.py); `build_metadata` is then called once per step, before that step's `forward` calls.
+      `invalidate` drops such state; callers call it after writing the cache outside `forward` or after a step
+      that failed part-way.
     """
 
     name: str = ""
@@ -37,6 +41,9 @@ class AttentionBackend(ABC):
                 cache: tuple[torch.Tensor, torch.Tensor], meta: Any, scale: float) -> torch.Tensor:
         """q `[T, Hq, D]`, k/v `[T, Hkv, D]` (may be strided views), cache: this layer's (K, V) views, each
         `[num_blocks, block_size, Hkv, D]`, of the block-major cache."""
+
+    def invalidate(self) -> None:
+        """The cache was written outside `forward` (e.g. blocks copied in): drop anything derived from it."""
 
 
 ATTENTION_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {}

@@ -1,19 +1,23 @@
 """Paged attention in plain torch: runs on any device, and is the reference the Triton kernels are checked against.
 
 Decodes (one new token per sequence) go through one batched path: gather every decode sequence's blocks at once,
-pad to the longest, mask the padding, one SDPA call. Multi-token sequences (prefill, chunked prefill, verify) loop
-over sequences; a fresh prefill (start_pos == 0) attends over its own new K/V with a causal SDPA.
+pad to the longest, mask the padding, one SDPA call. A pure-decode step reads K/V from a `DecodeBuffer` instead,
+which only appends the new token when the step continues the last one (decode_buffer.py). Multi-token sequences
+(prefill, chunked prefill, verify) loop over sequences; a fresh prefill (start_pos == 0) attends over its own new
+K/V with a causal SDPA.
 
     flat batch rows:  | seq0 (prefill, rows 0..n0) | seq1 (decode) | seq2 (decode) | seq3 (chunk, start_pos>0) |
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from engine.attention.backend import AttentionBackend, register_attention_backend
+from engine.attention.decode_buffer import DecodeBuffer
 from engine.batch import StepBatch
 
 
@@ -34,6 +38,8 @@ class TorchPagedMetadata:
     decode_tables: torch.Tensor | None  # [Bd * max_blocks] block ids row by row, padded with 0 (masked out)
     decode_mask: torch.Tensor | None    # [Bd, 1, 1, max_blocks * bs] additive: 0 valid key, -inf padding
     prefills: tuple[PrefillSeq, ...]
+    buffer_append: bool | None = None   # pure decode: True append to the DecodeBuffer, False rebuild it
+    decode_pos: torch.Tensor | None = None   # [Bd] position of each decode token (for the buffer append)
 
 
 def _write_indices(batch: StepBatch, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,6 +84,12 @@ def _prefill_seq(row: int, start: int, n: int, table: list[int], block_size: int
 class TorchPagedAttention(AttentionBackend):
     name = "torch"
 
+    def __init__(self) -> None:
+        self.buffer = DecodeBuffer()
+
+    def invalidate(self) -> None:
+        self.buffer.invalidate()
+
     def build_metadata(self, batch: StepBatch, block_size: int, device: torch.device,
                        dtype: torch.dtype = torch.float32) -> TorchPagedMetadata:
         blocks, offsets = _write_indices(batch, block_size)
@@ -101,7 +113,12 @@ class TorchPagedAttention(AttentionBackend):
             tables, mask = _decode_tensors(dec_tables, dec_ctx, block_size, device, dtype)
             if prefills:
                 rows = torch.tensor(dec_rows, dtype=torch.int64, device=device)
-        return TorchPagedMetadata(blocks.to(device), offsets.to(device), rows, tables, mask, tuple(prefills))
+        append = self.buffer.plan(None if prefills else batch.seqs, block_size)
+        meta = TorchPagedMetadata(blocks.to(device), offsets.to(device), rows, tables, mask, tuple(prefills))
+        if prefills:
+            return meta
+        pos = torch.tensor([s.start_pos for s in batch.seqs], dtype=torch.int64, device=device)   # [Bd]
+        return dataclasses.replace(meta, buffer_append=append, decode_pos=pos)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 cache: tuple[torch.Tensor, torch.Tensor], meta: TorchPagedMetadata, scale: float) -> torch.Tensor:
@@ -109,7 +126,8 @@ class TorchPagedAttention(AttentionBackend):
         k_cache[meta.write_blocks, meta.write_offsets] = k     # NOTE: write first: decodes read their own token
         v_cache[meta.write_blocks, meta.write_offsets] = v
         if not meta.prefills:
-            return _decode(q, k_cache, v_cache, meta.decode_tables, meta.decode_mask, scale)
+            keys, values = self._buffered_kv(k, v, k_cache, v_cache, meta)
+            return _attend_decode(q, keys, values, meta.decode_mask, scale)
         out = q.new_empty(q.shape)                             # [T, Hq, D]
         for seq in meta.prefills:
             out[seq.row_start:seq.row_end] = _prefill(q, k, v, k_cache, v_cache, seq, scale)
@@ -118,17 +136,42 @@ class TorchPagedAttention(AttentionBackend):
                                             meta.decode_tables, meta.decode_mask, scale)
         return out
 
+    def _buffered_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     meta: TorchPagedMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values `[Bd, Hkv, S, D]` of a pure-decode step, from the DecodeBuffer (appended or rebuilt)."""
+        bsz, span = k.shape[0], meta.decode_mask.shape[-1]
+        k_buf, v_buf = self.buffer.layer(k_cache)                          # [rows, Hkv, capacity, D] each
+        if meta.buffer_append:
+            rows = torch.arange(bsz, device=k.device)
+            k_buf[rows, :, meta.decode_pos] = k                            # [Bd, Hkv, D] at each row's position
+            v_buf[rows, :, meta.decode_pos] = v
+        else:
+            k_buf[:bsz, :, :span].copy_(_gather(k_cache, meta.decode_tables, bsz))
+            v_buf[:bsz, :, :span].copy_(_gather(v_cache, meta.decode_tables, bsz))
+        return k_buf[:bsz, :, :span], v_buf[:bsz, :, :span]
+
+
+def _gather(cache: torch.Tensor, tables: torch.Tensor, bsz: int) -> torch.Tensor:
+    """`[Bd, Hkv, S, D]` view of the blocks `tables` (row by row) copied out of one layer's K or V cache."""
+    # NOTE: index_select copies whole block rows; advanced indexing of the strided per-layer view was 2-4x
+    # slower on CPU (measured: 32 sequences x 5 blocks x 4 layers, ~2 ms vs 3.6-9.6 ms).
+    _, _, hkv, dim = cache.shape
+    return cache.index_select(0, tables).view(bsz, -1, hkv, dim).transpose(1, 2)
+
 
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
             mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """One new token per sequence. GQA without repeating K/V: the query heads of one KV head become the
-    'query length' axis, which is legal here because a single decode token needs no causal mask."""
+    bsz = q.shape[0]
+    return _attend_decode(q, _gather(k_cache, tables, bsz), _gather(v_cache, tables, bsz), mask, scale)
+
+
+def _attend_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """One new token per sequence over keys/values `[Bd, Hkv, S, D]`. GQA without repeating K/V: the query heads
+    of one KV head become the 'query length' axis, which is legal here because a single decode token needs no
+    causal mask. (SDPA beat two bmm + softmax here: 1 thread, batch 32, S=96: 0.58 vs 0.76-1.0 ms.)"""
     bsz, hq, dim = q.shape
-    hkv = k_cache.shape[2]
-    # NOTE: index_select copies whole block rows; advanced indexing of the strided per-layer view was 2-4x
-    # slower on CPU (measured: 32 sequences x 5 blocks x 4 layers, ~2 ms vs 3.6-9.6 ms).
-    keys = k_cache.index_select(0, tables).view(bsz, -1, hkv, dim).transpose(1, 2)     # [Bd, Hkv, S, D]
-    values = v_cache.index_select(0, tables).view(bsz, -1, hkv, dim).transpose(1, 2)   # [Bd, Hkv, S, D]
+    hkv = keys.shape[1]
     queries = q.reshape(bsz, hkv, hq // hkv, dim)             # [Bd, Hkv, G, D]
     out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)  # [Bd, Hkv, G, D]
     return out.reshape(bsz, hq, dim)

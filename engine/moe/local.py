@@ -5,6 +5,8 @@ pairs:
   weight slice per pair, so it only pays off on an accelerator with very few pairs.
 - grouped: sort pairs by expert and run each active expert once over its tokens. One host sync (the counts);
   the CPU choice at every batch size (measured, see __init__).
+- single token (the decode of one sequence): the k expert ids go to the host and each expert runs on the one row;
+  no sort, count or scatter (measured, 1 thread, E=8, H=I=256, cold cache: 302 vs 474 us grouped).
 """
 from __future__ import annotations
 
@@ -28,7 +30,23 @@ class LocalMoE(MoEBackend):
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         if topk_ids.numel() <= self.gather_max_pairs:
             return self.forward_gather(x, topk_ids, topk_weights)
+        if topk_ids.shape[0] == 1:
+            return self.forward_single(x, topk_ids, topk_weights)
         return self.forward_grouped(x, topk_ids, topk_weights)
+
+    def _expert(self, expert: int, xs: torch.Tensor) -> torch.Tensor:
+        """down(silu(gate(xs)) * up(xs)) `[n, H]` of one expert for rows `xs [n, H]`."""
+        gate, up = F.linear(xs, self.w13[expert]).chunk(2, dim=-1)              # [n, I] each
+        return F.linear(F.silu(gate) * up, self.w2[expert])                       # [n, H]
+
+    def forward_single(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """x `[1, H]`: each of its k experts in turn, weighted and summed in rank order."""
+        weights = topk_weights.view(-1)                                           # [k]
+        out = None
+        for rank, expert in enumerate(topk_ids.view(-1).tolist()):               # host sync, once per layer
+            part = self._expert(expert, x).mul_(weights[rank])                    # [1, H]
+            out = part if out is None else out.add_(part)
+        return out
 
     def forward_gather(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         tokens, k = topk_ids.shape
@@ -52,8 +70,7 @@ class LocalMoE(MoEBackend):
         for expert, count in enumerate(counts):
             if count:
                 seg = slice(start, start + count)
-                gate, up = F.linear(xs[seg], self.w13[expert]).chunk(2, dim=-1)  # [c, I] each
-                out[seg] = F.linear(F.silu(gate) * up, self.w2[expert])          # [c, H]
+                out[seg] = self._expert(expert, xs[seg])                           # [c, H]
                 start += count
         out = out * topk_weights.reshape(-1)[order].unsqueeze(-1)              # [P, H]
         return torch.zeros_like(x).index_add_(0, token_of, out)               # [T, H]

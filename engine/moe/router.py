@@ -15,4 +15,4 @@ def route_topk(router_logits: torch.Tensor, top_k: int, normalize: bool,
     weights, ids = torch.topk(probs, top_k, dim=-1)                      # [T, k]
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(out_dtype), ids
+    return (weights if weights.dtype == out_dtype else weights.to(out_dtype)), ids
