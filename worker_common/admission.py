@@ -24,7 +24,7 @@ def admit(loop: EngineLoop, tracked: Tracked, request_id: str, prompt: Sequence[
           first_token: int | None = None) -> InstallResult:
     """Engine thread only. Raises ValueError (nothing changed) when the engine refuses the request."""
     bundle = loop.bundle
-    installed = install_blocks(bundle, hashes, payloads)
+    installed = install_blocks(bundle, hashes, payloads, prompt)
     try:
         request = bundle.engine.add_request(request_id, prompt, params, hash_root=fingerprint)
     except ValueError:

@@ -31,6 +31,18 @@ def parse_config(role: str, argv: Sequence[str] | None = None) -> WorkerConfig:
                    help="decode: bound on one KV read before falling back to the store, then recompute")
     p.add_argument("--disk-path", default="", help="add a disk tier here (written through)")
     p.add_argument("--redis-url", default="", help="add a shared Redis tier (written through)")
+    p.add_argument("--s3-url", default="", help="add a shared S3 tier (written through): s3://BUCKET[/PREFIX] or "
+                                                "http(s)://HOST:PORT/BUCKET[/PREFIX] for an S3-compatible server")
+    p.add_argument("--kv-events-endpoint", default=d.kv_events_endpoint,
+                   help="ZeroMQ PUB bind of the KV events ('' = no events; port * = free, printed on READY)")
+    p.add_argument("--kv-replay-endpoint", default=d.kv_replay_endpoint,
+                   help="ZeroMQ ROUTER bind that replays missed KV-event batches ('' = none)")
+    p.add_argument("--router", default="", help="register with this router's Registry (host:port) and heartbeat")
+    p.add_argument("--advertise-host", default="",
+                   help="host the router reaches this worker at, when it binds 0.0.0.0 (default: the machine's name)")
+    p.add_argument("--heartbeat-s", type=float, default=d.heartbeat_s,
+                   help="seconds between heartbeats (the router's shorter interval wins)")
+    p.add_argument("--model-id", default="", help="model name to register under (default: the folder's name)")
     p.add_argument("--log-level", default="WARNING")
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s {role} %(levelname)s %(name)s: "
@@ -41,4 +53,7 @@ def parse_config(role: str, argv: Sequence[str] | None = None) -> WorkerConfig:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, lease_ttl_s=args.lease_ttl_s, handoff_bytes=args.handoff_mib << 20,
         host_tier_bytes=args.host_tier_mib << 20, transfer_deadline_s=args.transfer_deadline_s,
-        disk_path=args.disk_path, redis_url=args.redis_url)
+        disk_path=args.disk_path, redis_url=args.redis_url, s3_url=args.s3_url,
+        kv_events_endpoint=args.kv_events_endpoint, kv_replay_endpoint=args.kv_replay_endpoint,
+        router_address=args.router, advertise_host=args.advertise_host, heartbeat_s=args.heartbeat_s,
+        model_id=args.model_id)

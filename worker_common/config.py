@@ -19,7 +19,15 @@ class WorkerConfig:
     - `lease_ttl_s`: how long a prefill worker keeps a handle's blocks pinned without a ReleaseKv.
     - `handoff_bytes`: the prefill worker's registered region that pinned blocks are served from.
     - `transfer_deadline_s`: the decode worker's bound on one batched KV read before it falls back.
-    - `redis_url` / `disk_path`: optional lower store tiers (`write_through` to them from host).
+    - `redis_url` / `disk_path` / `s3_url`: optional lower store tiers (`write_through` to them from host).
+    - `kv_events_endpoint` / `kv_replay_endpoint`: ZeroMQ binds of the KV-event PUB and replay sockets (DESIGN §6);
+      `tcp://127.0.0.1:*` picks a free port (printed on READY); an empty `kv_events_endpoint` publishes nothing (and
+      binds no replay socket either).
+    - `router_address`: the router's Registry (host:port) to register with and heartbeat every `heartbeat_s`;
+      empty = do not register (the router may still probe this worker with `--worker`). `advertise_host` replaces
+      a wildcard bind host (0.0.0.0) in the addresses it registers (default: `host`, else the machine's name).
+    - `model_id`: the model name the worker registers under; empty = the checkpoint folder's name (the router's
+      default too).
     """
 
     role: str
@@ -40,6 +48,13 @@ class WorkerConfig:
     transfer_deadline_s: float = 2.0
     disk_path: str = ""
     redis_url: str = ""
+    s3_url: str = ""
+    kv_events_endpoint: str = "tcp://127.0.0.1:*"
+    kv_replay_endpoint: str = "tcp://127.0.0.1:*"
+    router_address: str = ""
+    advertise_host: str = ""
+    heartbeat_s: float = 2.0
+    model_id: str = ""
     grpc_threads: int = 128
 
     def __post_init__(self) -> None:
@@ -55,3 +70,15 @@ class WorkerConfig:
         _require(1 <= self.grpc_threads <= 1024, f"grpc_threads must be in [1, 1024], got {self.grpc_threads}")
         _require(not self.redis_url or self.redis_url.startswith(("redis://", "rediss://", "unix://")),
                  f"redis_url must be empty or start with redis://, rediss:// or unix://, got {self.redis_url!r}")
+        _require(not self.s3_url or self.s3_url.startswith(("s3://", "http://", "https://")),
+                 f"s3_url must be empty or s3://BUCKET[/PREFIX] or http(s)://HOST:PORT/BUCKET[/PREFIX], "
+                 f"got {self.s3_url!r}")
+        for name in ("kv_events_endpoint", "kv_replay_endpoint"):
+            value = getattr(self, name)
+            _require(not value or value.startswith(("tcp://", "ipc://", "inproc://")),
+                     f"{name} must be empty or a ZeroMQ endpoint (tcp://HOST:PORT, tcp://HOST:* or ipc://PATH), "
+                     f"got {value!r}")
+        _require(0.05 <= self.heartbeat_s <= 3600, f"heartbeat_s must be in [0.05, 3600] seconds, "
+                                                   f"got {self.heartbeat_s}")
+        _require(not self.router_address or ":" in self.router_address,
+                 f"router_address must be empty or HOST:PORT, got {self.router_address!r}")

@@ -5,7 +5,6 @@ from typing import Sequence
 
 from engine.sampling_params import SamplingParams
 from kvstore.hashing import HASH_BYTES
-from kvstore.store import TieredStore
 from strata.v1 import common_pb2
 
 DEFAULT_MAX_TOKENS = 64
@@ -15,7 +14,6 @@ FINISH_REASONS = {
     "length": common_pb2.FINISH_REASON_LENGTH,
     "abort": common_pb2.FINISH_REASON_ABORT,
 }
-_SHARED_TIERS = ("redis", "s3")
 
 
 class InvalidArgument(ValueError):
@@ -84,14 +82,3 @@ def stop_reason_fields(stop_str: str | None, token_id: int | None, params: Sampl
     if token_id is not None and token_id in params.stop_token_ids:
         return {"stop_token_id": token_id}
     return {}
-
-
-def cache_stats(worker_id: str, store: TieredStore, collected_at_ms: int) -> common_pb2.WorkerCacheStats:
-    tiers = []
-    for name, s in store.stats().items():
-        tiers.append(common_pb2.CacheTierStats(
-            tier=name, shared=name in _SHARED_TIERS, capacity_bytes=s.capacity_bytes, used_bytes=s.used_bytes,
-            blocks=s.blocks, hit_blocks=s.hits, miss_blocks=s.misses, bytes_read=s.bytes_read,
-            bytes_written=s.bytes_written, evictions=s.evictions, promotions=s.promotions,
-            demotions=s.demotions, errors=s.errors, checksum_failures=s.checksum_failures, healthy=s.healthy))
-    return common_pb2.WorkerCacheStats(worker_id=worker_id, tiers=tiers, collected_at_unix_ms=collected_at_ms)

@@ -6,6 +6,9 @@ to the request's `Tracked` sink, still on the engine thread (so a sink may read 
 can overwrite a freed block).
 
     handler threads --post(fn)--> [commands] --> engine thread: drain commands, step(), fan out to sinks
+
+After each step (before its outputs fan out) and each batch of commands, the loop publishes the device tier's
+buffered KV events (`events.flush()`) and refreshes the load snapshot (`load.snapshot`, read by Stats/heartbeats).
 """
 from __future__ import annotations
 
@@ -14,11 +17,12 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
 from worker_common.engine_setup import EngineBundle
+from worker_common.load import LoadTracker, computed_tokens
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -47,9 +51,12 @@ class Tracked:
 
 
 class EngineLoop:
-    def __init__(self, bundle: EngineBundle, name: str = "engine") -> None:
+    def __init__(self, bundle: EngineBundle, name: str = "engine", events: Any | None = None) -> None:
+        """`events`: anything with `flush()` (the device tier's `DeviceEvents`), called on the engine thread."""
         self.bundle = bundle
         self.engine = bundle.engine
+        self.events = events
+        self.load = LoadTracker()
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._tracked: dict[str, Tracked] = {}
         self._stopping = threading.Event()
@@ -115,15 +122,29 @@ class EngineLoop:
             self._abort(request_id, "worker shutting down")
 
     def _drain(self, block: bool) -> None:
+        ran = False
         try:
             command = self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
             while True:
                 command()
+                ran = True
                 command = self._commands.get_nowait()
         except queue.Empty:
-            return
+            pass
+        if ran:
+            self._after_change()
+
+    def _after_change(self) -> None:
+        if self.events is not None:
+            self.events.flush()
+        self.load.refresh(self._requests())
+
+    def _requests(self) -> list[Request]:
+        return [t.request for t in self._tracked.values() if t.request is not None]
 
     def _step(self) -> None:
+        requests = self._requests()
+        computed_before = computed_tokens(requests)
         started = time.perf_counter()
         try:
             outputs = self.engine.step()
@@ -131,9 +152,14 @@ class EngineLoop:
             log.exception("engine step failed; aborting every in-flight request")
             for request_id in list(self._tracked):
                 self._abort(request_id, "engine step failed")
+            self._after_change()
             return
         self.num_steps += 1
         now = time.perf_counter()
+        # NOTE: a preempted request's counter went back to 0, so the difference may undercount; never negative.
+        self.load.observe_step(computed_tokens(requests) - computed_before, now - started)
+        if self.events is not None:
+            self.events.flush()  # NOTE: before the outputs: a sink's store writes publish host after device
         for tracked in self._tracked.values():
             if tracked.scheduled_at is None and tracked.request.status is not RequestStatus.WAITING:
                 tracked.scheduled_at = started
@@ -151,3 +177,4 @@ class EngineLoop:
                 if not output.finished:
                     self.engine.abort(output.request_id)
                 self._release(self._tracked.pop(output.request_id))
+        self._after_change()

@@ -7,6 +7,7 @@ KV layout, dtype), so workers and the offline `LLM` agree on block identity exac
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
@@ -29,6 +30,9 @@ class EngineBundle:
     layout: codec.BlockLayout
     kv_dtype: str
     max_model_len: int
+    # The device tier's KV-event sink (`worker_common.kv_events.DeviceEvents`): blocks the worker installs itself
+    # (pulled or loaded KV) are announced through it, as the block manager announces the blocks it computes.
+    device_events: Any = None
 
     @property
     def block_size(self) -> int:
@@ -51,15 +55,19 @@ class EngineBundle:
         return self.runner.kv_cache.dtype
 
 
-def build_engine(config: WorkerConfig) -> EngineBundle:
+def build_engine(config: WorkerConfig, on_block_stored: Callable | None = None,
+                 on_block_removed: Callable | None = None) -> EngineBundle:
     return build_engine_from(config.model, config.dtype, config.block_size, config.num_blocks, config.max_num_seqs,
-                             config.max_num_batched_tokens, config.max_model_len)
+                             config.max_num_batched_tokens, config.max_model_len, on_block_stored=on_block_stored,
+                             on_block_removed=on_block_removed)
 
 
 def build_engine_from(model: str, dtype: str = "float32", block_size: int = 16, num_blocks: int = 1024,
                       max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
-                      max_model_len: int = 2048, *, engine_text: bool = False) -> EngineBundle:
-    """`engine_text=True` lets the engine detokenize (the single-engine reference); workers leave it False."""
+                      max_model_len: int = 2048, *, engine_text: bool = False, on_block_stored: Callable | None = None,
+                      on_block_removed: Callable | None = None) -> EngineBundle:
+    """`engine_text=True` lets the engine detokenize (the single-engine reference); workers leave it False.
+    `on_block_stored` / `on_block_removed` are the block manager's device-tier hooks (the worker's KV events)."""
     cache_config = CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=True)
     scheduler_config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                        max_model_len=max_model_len)
@@ -71,5 +79,6 @@ def build_engine_from(model: str, dtype: str = "float32", block_size: int = 16, 
     # worker's text must continue after a first token another process sampled.
     tokenizer = runner.tokenizer if engine_text else None
     engine = LLMEngine(runner, tokenizer, cache_config, scheduler_config, hash_block, namespace.fingerprint(),
-                       runner.tokenizer.eos_token_ids)
+                       runner.tokenizer.eos_token_ids, on_block_stored=on_block_stored,
+                       on_block_removed=on_block_removed)
     return EngineBundle(runner, engine, namespace, layout, dtype, max_model_len)

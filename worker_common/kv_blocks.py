@@ -63,10 +63,11 @@ def device_prefix_blocks(bundle: EngineBundle, hashes: Sequence[bytes]) -> int:
     return len(hashes)
 
 
-def install_blocks(bundle: EngineBundle, hashes: Sequence[bytes],
-                   payloads: Sequence[memoryview | None]) -> InstallResult:
+def install_blocks(bundle: EngineBundle, hashes: Sequence[bytes], payloads: Sequence[memoryview | None],
+                   tokens: Sequence[int] | None = None) -> InstallResult:
     """Pin the leading blocks already on the device and write the given payloads for the others, in order,
     stopping at the first block that is neither (payload None and not on the device) or when no block is free.
+    With the request's `tokens`, each newly written block is announced on `bundle.device_events`.
     Engine thread only."""
     pool = bundle.engine.block_manager.pool
     pinned: list[int] = []
@@ -86,7 +87,19 @@ def install_blocks(bundle: EngineBundle, hashes: Sequence[bytes],
         pinned.append(block_id)
     if write_ids:
         bundle.runner.write_blocks(write_ids, _payload_tensor(bundle, write_payloads))
+        _announce(bundle, hashes, pinned, set(write_ids), tokens)
     return InstallResult(pinned, len(pinned), len(write_ids))
+
+
+def _announce(bundle: EngineBundle, hashes: Sequence[bytes], block_ids: Sequence[int], written: set[int],
+              tokens: Sequence[int] | None) -> None:
+    events, bs = bundle.device_events, bundle.block_size
+    if events is None or tokens is None:
+        return
+    for i, block_id in enumerate(block_ids):
+        if block_id in written:
+            events.on_block_stored(block_id, hashes[i], hashes[i - 1] if i else None,
+                                   list(tokens[i * bs:(i + 1) * bs]))
 
 
 def _payload_tensor(bundle: EngineBundle, payloads: Sequence[memoryview]) -> torch.Tensor:

@@ -21,7 +21,8 @@ import grpc
 from strata.v1 import worker_pb2_grpc
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-READY = re.compile(r"^READY (\S+) role=(\w+) worker_id=(\S+) transfer=(\w+)(?: agent=(\S+))?")
+READY = re.compile(r"^READY (\S+) role=(\w+) worker_id=(\S+) transfer=(\w+)(?: agent=(\S+))?"
+                   r"(?: events=(\S*))?(?: replay=(\S*))?")
 
 
 class WorkerStartError(RuntimeError):
@@ -42,6 +43,7 @@ class WorkerProcess:
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
         self.address = self.worker_id = self.agent_address = ""
+        self.events_endpoint = self.replay_endpoint = ""     # the worker's KV-event PUB and replay sockets
         self._channel: grpc.Channel | None = None
         self._ready_timeout_s = ready_timeout_s
         if wait:
@@ -49,7 +51,8 @@ class WorkerProcess:
 
     def wait_ready(self) -> WorkerProcess:
         if not self.address:
-            self.address, self.worker_id, self.agent_address = self._wait_ready(self._ready_timeout_s)
+            (self.address, self.worker_id, self.agent_address, self.events_endpoint,
+             self.replay_endpoint) = self._wait_ready(self._ready_timeout_s)
         return self
 
     def _pump(self) -> None:
@@ -57,7 +60,7 @@ class WorkerProcess:
             self._lines.put(line)
         self._lines.put(None)
 
-    def _wait_ready(self, timeout_s: float) -> tuple[str, str, str]:
+    def _wait_ready(self, timeout_s: float) -> tuple[str, str, str, str, str]:
         # NOTE: the timeout is per line; a worker prints only its READY line on stdout.
         try:
             while True:
@@ -66,7 +69,8 @@ class WorkerProcess:
                     raise WorkerStartError(f"{self.role} worker exited ({self.proc.wait()}):\n{self.log_tail()}")
                 match = READY.match(line)
                 if match:
-                    return match.group(1), match.group(3), match.group(5) or ""
+                    return (match.group(1), match.group(3), match.group(5) or "", match.group(6) or "",
+                            match.group(7) or "")
         except queue.Empty:
             self.kill()
             raise WorkerStartError(f"{self.role} worker printed no READY line in {timeout_s}s:\n"

@@ -1,7 +1,11 @@
-"""The gRPC shell every worker shares: the engine, its thread and store, in-flight ids, Health/Stats/Abort, and
-`serve()`, which prints the READY line launchers and tests wait for:
+"""The gRPC shell every worker shares: the engine, its thread and store, the KV-event publisher, in-flight ids,
+Health/Stats/Abort/EvictCache/FlushCache, registration with a router, and `serve()`, which prints the READY line
+launchers and tests wait for:
 
-    READY 127.0.0.1:50051 role=prefill worker_id=prefill-1234 transfer=shm
+    READY 127.0.0.1:50051 role=prefill worker_id=prefill-1234 transfer=shm agent=shm://... \
+          events=tcp://127.0.0.1:41234 replay=tcp://127.0.0.1:41235
+
+(`events=` and `replay=` are empty when the worker publishes no KV events.)
 """
 from __future__ import annotations
 
@@ -11,16 +15,21 @@ import signal
 import threading
 import time
 from concurrent import futures
+from pathlib import Path
 from typing import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from strata.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from worker_common.cache_admin import CacheAdmin
+from worker_common.cache_stats import cache_stats
 from worker_common.config import WorkerConfig
-from worker_common.convert import cache_stats
+from worker_common.convert import InvalidArgument
 from worker_common.engine_loop import EngineLoop, Tracked
 from worker_common.engine_setup import EngineBundle, build_engine
+from worker_common.kv_events import WorkerEvents
+from worker_common.registration import RouterLink, advertised
 from worker_common.store_setup import build_store
 
 log = logging.getLogger(__name__)
@@ -33,11 +42,19 @@ class WorkerBase(worker_pb2_grpc.WorkerServicer):
     """Owns the engine loop and the store; subclasses add their role's RPCs."""
 
     def __init__(self, config: WorkerConfig, bundle: EngineBundle | None = None) -> None:
+        """A `bundle` built elsewhere publishes no device events for the blocks its engine computes (its block
+        manager's hooks are set at construction: `build_engine(config, on_block_stored, on_block_removed)`)."""
         self.config = config
         self.worker_id = config.worker_id or f"{config.role}-{os.getpid()}"
-        self.bundle = bundle or build_engine(config)
-        self.store = build_store(config)
-        self.loop = EngineLoop(self.bundle, name=f"{config.role}-engine")
+        self.events = WorkerEvents(self.worker_id, config.kv_events_endpoint, config.kv_replay_endpoint,
+                                   config.block_size)
+        device = self.events.device
+        self.bundle = bundle or build_engine(config, device.on_block_stored, device.on_block_removed)
+        self.bundle.device_events = device
+        self.store = build_store(config, self.events.publisher)
+        self.loop = EngineLoop(self.bundle, name=f"{config.role}-engine", events=device)
+        self.admin = CacheAdmin(self.worker_id, self.loop, self.store, self.events)
+        self.router_link: RouterLink | None = None
         self.address = ""                      # host:port once serving
         self._inflight: dict[str, Tracked] = {}
         self._inflight_lock = threading.Lock()
@@ -86,15 +103,66 @@ class WorkerBase(worker_pb2_grpc.WorkerServicer):
                                          detail="draining" if self.draining else "model loaded")
 
     def Stats(self, request, context) -> worker_pb2.StatsResponse:
-        scheduler, pool = self.bundle.engine.scheduler, self.bundle.engine.block_manager.pool
-        load = common_pb2.WorkerLoad(running=scheduler.num_running, waiting=scheduler.num_waiting,
-                                     kv_usage=pool.num_used_blocks / pool.num_blocks)
-        return worker_pb2.StatsResponse(worker_id=self.worker_id, load=load,
-                                        cache=cache_stats(self.worker_id, self.store, int(time.time() * 1000)))
+        cache = cache_stats(self.worker_id, self.bundle, self.store, int(time.time() * 1000))
+        return worker_pb2.StatsResponse(worker_id=self.worker_id, load=self.load(), cache=cache)
+
+    def load(self) -> common_pb2.WorkerLoad:
+        """The engine loop's latest snapshot (worker_common.load documents each figure) and the pool's usage."""
+        pool = self.bundle.engine.block_manager.pool
+        return common_pb2.WorkerLoad(kv_usage=pool.num_used_blocks / pool.num_blocks,
+                                     **self.loop.load.snapshot._asdict())
+
+    # ---- cache admin --------------------------------------------------------------------------------------------
+
+    def EvictCache(self, request: common_pb2.EvictCacheRequest, context) -> common_pb2.EvictCacheResponse:
+        try:
+            return common_pb2.EvictCacheResponse(results=self.admin.evict(request))
+        except InvalidArgument as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    def FlushCache(self, request: common_pb2.FlushCacheRequest, context) -> common_pb2.FlushCacheResponse:
+        try:
+            return common_pb2.FlushCacheResponse(results=self.admin.flush(request))
+        except InvalidArgument as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    # ---- registration -------------------------------------------------------------------------------------------
+
+    def info(self) -> common_pb2.WorkerInfo:
+        """This worker as it registers with a router (router.proto RegisterWorkerRequest)."""
+        ns, config = self.bundle.namespace, self.config
+        kv = common_pb2.KvSpec(model_fingerprint=ns.model_fingerprint, kv_layout=ns.kv_layout, kv_dtype=ns.kv_dtype,
+                               block_size=self.bundle.block_size)
+        model = common_pb2.ModelInfo(id=config.model_id or Path(config.model).name,
+                                     max_model_len=self.bundle.max_model_len, kv=kv)
+        state = common_pb2.WORKER_STATE_DRAINING if self.draining else common_pb2.WORKER_STATE_READY
+        host = config.advertise_host or config.host
+        return common_pb2.WorkerInfo(
+            id=self.worker_id, role=_ROLES[config.role], address=advertised(self.address, host), state=state,
+            load=self.load(), model=model, kv_events_endpoint=advertised(self.events.endpoint, host),
+            kv_replay_endpoint=advertised(self.events.replay_endpoint, host), transfer_backends=[config.transfer],
+            tiers=list(self.admin.tiers))
+
+    def start_router_link(self) -> None:
+        if not self.config.router_address:
+            return
+        self.router_link = RouterLink(self.config.router_address, self.info, self.load, lambda: self.events.last_seq,
+                                      self.config.heartbeat_s, self._drained_by_router, self._idle)
+        self.router_link.start()
+
+    def _drained_by_router(self) -> None:
+        self.draining = True
+
+    def _idle(self) -> bool:
+        with self._inflight_lock:
+            return not self._inflight
 
     def close(self) -> None:
+        if self.router_link is not None:
+            self.router_link.stop()
         self.loop.stop()
         self.store.close()
+        self.events.close()
 
 
 def serve(service: WorkerBase, extra_ready: str = "") -> grpc.Server:
@@ -110,8 +178,10 @@ def serve(service: WorkerBase, extra_ready: str = "") -> grpc.Server:
     service.address = f"{config.host}:{port}"
     server.start()
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    events = f"events={service.events.endpoint} replay={service.events.replay_endpoint}"
     print(f"READY {service.address} role={config.role} worker_id={service.worker_id} transfer={config.transfer}"
-          f"{' ' + extra_ready if extra_ready else ''}", flush=True)
+          f"{' ' + extra_ready if extra_ready else ''} {events}", flush=True)
+    service.start_router_link()
     return server
 
 
@@ -122,5 +192,7 @@ def run_until_signalled(service: WorkerBase, server: grpc.Server, on_exit: Calla
         signal.signal(sig, lambda *_: done.set())
     done.wait()
     service.draining = True
+    if service.router_link is not None:
+        service.router_link.drain()  # the router stops sending new requests while the in-flight ones finish
     server.stop(grace=5).wait(6)
-    on_exit()
+    on_exit()  # the service's close() deregisters from the router

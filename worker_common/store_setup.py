@@ -1,14 +1,45 @@
-"""The worker's tiered store: host always, disk and Redis when configured (written through in the background)."""
+"""The worker's tiered store: host always, disk, Redis and S3 when configured (written through in the background).
+
+The store publishes its own per-tier `BlockStored` / `BlockRemoved` events (medium host, disk, redis, s3) to the
+worker's KV-event publisher (DESIGN §6).
+
+    --s3-url s3://BUCKET/PREFIX                 AWS (credentials from the usual boto3 places)
+    --s3-url http://HOST:PORT/BUCKET/PREFIX     an S3-compatible server (MinIO, moto); the bucket is created
+"""
 from __future__ import annotations
 
-from kvstore.config import DiskTierConfig, HostTierConfig, RedisTierConfig, StoreConfig
+from typing import Any
+from urllib.parse import urlparse
+
+from kvstore.config import DiskTierConfig, HostTierConfig, RedisTierConfig, S3TierConfig, StoreConfig
 from kvstore.store import TieredStore
 from worker_common.config import WorkerConfig
 
+LOCAL_TIERS = ("host", "disk")        # besides the device tier; redis and s3 are shared
 
-def build_store(config: WorkerConfig) -> TieredStore:
+
+def s3_config(url: str) -> S3TierConfig:
+    parsed = urlparse(url)
+    if parsed.scheme == "s3":
+        bucket, prefix = parsed.netloc, parsed.path.strip("/")
+        endpoint = ""
+    else:
+        bucket, _, prefix = parsed.path.strip("/").partition("/")
+        endpoint = f"{parsed.scheme}://{parsed.netloc}"
+    if not bucket:
+        raise ValueError(f"s3_url must name a bucket (s3://BUCKET or http://HOST:PORT/BUCKET), got {url!r}")
+    prefix = f"{prefix}/" if prefix else "strata/kv/"
+    return S3TierConfig(bucket=bucket, prefix=prefix, endpoint_url=endpoint, create_bucket=bool(endpoint))
+
+
+def store_config(config: WorkerConfig) -> StoreConfig:
     disk = DiskTierConfig(path=config.disk_path) if config.disk_path else None
     redis = RedisTierConfig(url=config.redis_url) if config.redis_url else None
-    write_through = tuple(name for name, tier in (("disk", disk), ("redis", redis)) if tier is not None)
-    return TieredStore(StoreConfig(host=HostTierConfig(capacity_bytes=config.host_tier_bytes), disk=disk,
-                                   redis=redis, write_through=write_through))
+    s3 = s3_config(config.s3_url) if config.s3_url else None
+    write_through = tuple(name for name, tier in (("disk", disk), ("redis", redis), ("s3", s3)) if tier is not None)
+    return StoreConfig(host=HostTierConfig(capacity_bytes=config.host_tier_bytes), disk=disk, redis=redis, s3=s3,
+                       write_through=write_through)
+
+
+def build_store(config: WorkerConfig, publisher: Any | None = None) -> TieredStore:
+    return TieredStore(store_config(config), publisher=publisher)
