@@ -15,6 +15,16 @@ def main() -> None:
     """Strata's command line."""
 
 
+def _mount() -> None:
+    """`strata serve`, `strata cache stats|evict|flush` and `strata workers` live in their own modules."""
+    from strata.cli_cache import cache_app, workers
+    from strata.cli_serve import serve
+
+    app.command("serve")(serve)
+    app.add_typer(cache_app, name="cache")
+    app.command("workers")(workers)
+
+
 @app.command()
 def generate(
     prompt: str = typer.Argument(..., help="the prompt text"),
@@ -45,6 +55,8 @@ def generate(
         sys.stdout.flush()
     sys.stdout.write("\n")
 
+
+_mount()
 
 if __name__ == "__main__":
     app()

@@ -1,0 +1,182 @@
+"""Feeds the router's prefix index from every worker's KV-event stream (DESIGN §6).
+
+One thread per worker owns a `ZmqEventSubscriber` (ZeroMQ sockets belong to one thread); batches go into the shared
+index under its lock. The subscriber replays gaps from the worker's replay socket; whatever it cannot recover
+(`lost_before`, a restarted publisher) makes the feed drop that worker's entries and start over from the batch in
+hand, because a hole in the event history could hide a removal, and a stale hint is worse than none:
+
+    batch(seq) ──lost_before > 0 or publisher restarted──> index.load_snapshot(worker, [], next_seq=seq) ──┐
+        │                                                                                                │
+        └──────────────────────────────────────────────────────────> index.apply(worker, batch, seq) <───┘
+
+Because the events follow vLLM's format, the same feed follows a vLLM worker's stream (`kv_events_endpoint`).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+from kvstore.events import ReceivedBatch, ZmqEventSubscriber
+from router.index import ApplyResult, BlockKey, MatchResult, PrefixIndex, WorkerId
+from router.registry import WorkerRecord
+
+log = logging.getLogger(__name__)
+
+_RECV_S = 0.2
+_IDLE_CATCH_UP_S = 10.0
+
+
+class SharedIndex:
+    """`PrefixIndex` behind a lock: the feed threads write, request threads match."""
+
+    def __init__(self, index: PrefixIndex | None = None) -> None:
+        self._index = index or PrefixIndex()
+        self._lock = threading.Lock()
+
+    def match(self, hashes: Sequence[BlockKey]) -> MatchResult:
+        with self._lock:
+            return self._index.match(hashes)
+
+    def apply_received(self, worker_id: WorkerId, item: ReceivedBatch,
+                       stopped: threading.Event | None = None) -> tuple[ApplyResult, bool] | None:
+        """Apply one delivered batch, resyncing first when history was lost; (result, resynced). None when
+        `stopped` is set: checked under the lock, so nothing lands after an unsubscribe's `remove_worker`."""
+        with self._lock:
+            if stopped is not None and stopped.is_set():
+                return None
+            resynced = bool(item.lost_before or item.publisher_restarted)
+            if resynced:
+                self._index.load_snapshot(worker_id, (), item.seq)
+            result = self._index.apply(worker_id, item.batch, item.seq)
+            if result.needs_resync:
+                self._index.load_snapshot(worker_id, (), item.seq)
+                result, resynced = self._index.apply(worker_id, item.batch, item.seq), True
+            return result, resynced
+
+    def remove_worker(self, worker_id: WorkerId) -> None:
+        with self._lock:
+            self._index.remove_worker(worker_id)
+
+    def num_blocks(self, worker_id: WorkerId | None = None) -> int:
+        with self._lock:
+            return self._index.num_blocks(worker_id)
+
+    def check_integrity(self) -> None:
+        with self._lock:
+            self._index.check_integrity()
+
+
+@dataclass
+class FeedStats:
+    batches: int = 0
+    events: int = 0
+    resyncs: int = 0
+    duplicates: int = 0
+    last_seq: int = -1
+    connected: bool = False
+
+
+class _Subscription:
+    def __init__(self, record: WorkerRecord, index: SharedIndex, replay_timeout_s: float) -> None:
+        self.record, self.index, self.replay_timeout_s = record, index, replay_timeout_s
+        self.stats = FeedStats()
+        self._stop = threading.Event()
+        self._catch_up = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"kv-events-{record.id}", daemon=True)
+        self._thread.start()
+
+    def request_catch_up(self) -> None:
+        self._catch_up.set()
+
+    def stop(self, wait: bool = False) -> None:
+        """The thread closes its socket itself; `wait` only at shutdown (a request thread that reports a dead
+        worker must not wait out a replay timeout)."""
+        self._stop.set()
+        if wait:
+            self._thread.join(timeout=2 * _RECV_S + self.replay_timeout_s)
+
+    def _run(self) -> None:
+        r = self.record
+        try:
+            sub = ZmqEventSubscriber(r.kv_events_endpoint, r.kv_replay_endpoint or None, topic="", from_seq=0,
+                                     replay_timeout_s=self.replay_timeout_s)
+        except Exception:  # a bad endpoint must not take the router down: no hints from this worker
+            log.exception("cannot subscribe to %s's KV events at %s", r.id, r.kv_events_endpoint)
+            return
+        self.stats.connected = True
+        last_activity = time.monotonic()
+        self._catch_up.set()  # NOTE: a quiet publisher sends nothing live; ask for its buffered history once
+        try:
+            while not self._stop.is_set():
+                if self._catch_up.is_set():
+                    self._catch_up.clear()
+                    sub.catch_up()
+                item = sub.recv(timeout_s=_RECV_S)
+                if item is not None:
+                    self._apply(item)
+                    last_activity = time.monotonic()
+                elif time.monotonic() - last_activity > _IDLE_CATCH_UP_S:
+                    self._catch_up.set()  # batches lost at the tail of a burst stay unseen while it is quiet
+                    last_activity = time.monotonic()
+        except Exception:
+            log.exception("KV event feed of %s failed; its index entries are dropped", r.id)
+            self.index.remove_worker(r.id)
+        finally:
+            sub.close()
+            self.stats.connected = False
+
+    def _apply(self, item: ReceivedBatch) -> None:
+        applied = self.index.apply_received(self.record.id, item, self._stop)
+        if applied is None:
+            return
+        result, resynced = applied
+        self.stats.resyncs += int(resynced)
+        self.stats.duplicates += int(result.status == "duplicate")
+        if result.status == "applied":
+            self.stats.batches += 1
+            self.stats.events += result.num_events
+            self.stats.last_seq = item.seq
+
+
+class EventsFeed:
+    """Subscriptions follow the registry: `subscribe` on a worker's (re)registration, `unsubscribe` when it goes."""
+
+    def __init__(self, index: SharedIndex, replay_timeout_s: float = 2.0) -> None:
+        self.index = index
+        self.replay_timeout_s = replay_timeout_s
+        self._subs: dict[WorkerId, _Subscription] = {}
+        self._lock = threading.Lock()
+
+    def subscribe(self, record: WorkerRecord) -> None:
+        if not record.kv_events_endpoint:
+            return  # the worker publishes no events: the policy sees no cached prefix there (safe: a recompute)
+        self.unsubscribe(record.id)
+        with self._lock:
+            self._subs[record.id] = _Subscription(record, self.index, self.replay_timeout_s)
+
+    def unsubscribe(self, worker_id: WorkerId) -> None:
+        with self._lock:
+            sub = self._subs.pop(worker_id, None)
+        if sub is not None:
+            sub.stop()  # NOTE: before remove_worker: a batch in flight then finds the flag set (see apply_received)
+        self.index.remove_worker(worker_id)
+
+    def note_published_seq(self, worker_id: WorkerId, seq: int) -> None:
+        """A heartbeat said the worker published up to `seq`: catch up if the feed lags behind."""
+        with self._lock:
+            sub = self._subs.get(worker_id)
+        if sub is not None and sub.stats.last_seq < seq:
+            sub.request_catch_up()
+
+    def stats(self) -> dict[WorkerId, FeedStats]:
+        with self._lock:
+            return {wid: sub.stats for wid, sub in self._subs.items()}
+
+    def close(self) -> None:
+        with self._lock:
+            subs, self._subs = list(self._subs.values()), {}
+        for sub in subs:
+            sub.stop(wait=True)

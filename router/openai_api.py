@@ -1,0 +1,282 @@
+"""OpenAI-compatible HTTP API on the router (issue 5 item 2): works with the official `openai` client unchanged.
+
+    POST /v1/completions, /v1/chat/completions   (JSON, or server-sent events with "stream": true)
+    GET  /v1/models, /health, /metrics (Prometheus)
+
+Requests go through `router.validation` (400 naming the field, OpenAI's error body) and the same `Dispatcher` as
+gRPC. A client that disconnects mid-stream cancels the request on every worker.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import replace
+from typing import Any, AsyncIterator, Callable
+
+import anyio
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from router.dispatch import Dispatcher
+from router.events_feed import EventsFeed
+from router.request_run import RequestRun
+from router.registry import WorkerRegistry
+from router.validation import ApiError, GenerateParams, OpenAIOptions, from_chat, from_completion
+from strata.v1 import common_pb2
+
+_HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.ALREADY_EXISTS: 409, grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504, grpc.StatusCode.CANCELLED: 499,
+}
+_FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
+           common_pb2.FINISH_REASON_ABORT: "abort"}
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+# ------------------------------------------------------------------------------------------------ metrics
+
+class RouterMetrics:
+    """The router's Prometheus metrics (its own registry, so several routers can live in one test process)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("strata_router_requests", "Finished requests by front door and outcome "
+                                "(finish reason or error code)", ["door", "outcome"], registry=r)
+        self.routes = Counter("strata_router_routes", "Requests by route taken", ["route"], registry=r)
+        self.retries = Counter("strata_router_step_retries", "Worker steps retried on another worker", registry=r)
+        self.ttft = Histogram("strata_router_ttft_seconds", "Arrival to the first token", buckets=_LATENCY_BUCKETS,
+                              registry=r)
+        self.latency = Histogram("strata_router_request_seconds", "Arrival to the last chunk",
+                                 buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("strata_router_prompt_tokens", "Prompt tokens", registry=r)
+        self.completion_tokens = Counter("strata_router_completion_tokens", "Generated tokens", registry=r)
+        self.cached_tokens = Counter("strata_router_cached_tokens", "Prompt tokens served from a KV cache tier",
+                                     registry=r)
+        self.inflight = Gauge("strata_router_inflight_requests", "Requests in flight", registry=r)
+        self.workers = Gauge("strata_router_workers", "Registered workers by role and state", ["role", "state"],
+                             registry=r)
+        self.index_blocks = Gauge("strata_router_index_blocks", "Distinct blocks in the global prefix index",
+                                  registry=r)
+        self.event_batches = Gauge("strata_router_kv_event_batches", "KV-event batches applied, per worker",
+                                   ["worker"], registry=r)
+        self.event_resyncs = Gauge("strata_router_kv_event_resyncs", "Index resyncs after lost KV events, per worker",
+                                   ["worker"], registry=r)
+
+    def on_finish(self, door: str, outcome: str, usage: common_pb2.Usage | None, ttft_s: float | None,
+                  total_s: float, route: str, retries: int) -> None:
+        self.requests.labels(door, outcome).inc()
+        if route:
+            self.routes.labels(route).inc()
+        self.retries.inc(retries)
+        self.latency.observe(total_s)
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+        if usage is not None:
+            self.prompt_tokens.inc(usage.prompt_tokens)
+            self.completion_tokens.inc(usage.completion_tokens)
+            self.cached_tokens.inc(usage.cached_tokens)
+
+    def render(self, dispatcher: Dispatcher, registry: WorkerRegistry, feed: EventsFeed | None = None) -> bytes:
+        self.inflight.set(dispatcher.num_inflight())
+        self.index_blocks.set(dispatcher.index.num_blocks())
+        if feed is not None:
+            self.event_batches.clear()
+            self.event_resyncs.clear()
+            for worker_id, stats in feed.stats().items():
+                self.event_batches.labels(worker_id).set(stats.batches)
+                self.event_resyncs.labels(worker_id).set(stats.resyncs)
+        counts: dict[tuple[str, str], int] = {(role, state): 0 for role in ("prefill", "decode", "both")
+                                              for state in ("ready", "draining", "dead")}
+        for view in registry.workers(include_dead=True):
+            counts[(view.record.role, view.state)] += 1
+        for (role, state), n in counts.items():
+            self.workers.labels(role, state).set(n)
+        return generate_latest(self.registry)
+
+
+# ------------------------------------------------------------------------------------------------ responses
+
+def error_body(exc: ApiError) -> dict[str, Any]:
+    kind = "invalid_request_error" if exc.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND) \
+        else exc.code.name.lower()
+    code = "model_not_found" if exc.code == grpc.StatusCode.NOT_FOUND and exc.param == "model" else None
+    return {"error": {"message": exc.message, "type": kind, "param": exc.param, "code": code}}
+
+
+def error_response(exc: ApiError) -> JSONResponse:
+    return JSONResponse(error_body(exc), status_code=_HTTP_STATUS.get(exc.code, 500))
+
+
+def _usage(usage: common_pb2.Usage) -> dict[str, Any]:
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+
+
+class _Shape:
+    """The JSON shapes of one endpoint: `text_completion` or `chat.completion`."""
+
+    def __init__(self, params: GenerateParams, options: OpenAIOptions) -> None:
+        self.chat, self.options = options.chat, options
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + params.request_id
+        self.model, self.created = params.model, int(time.time())
+
+    def _envelope(self, obj: str, choices: list) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+    def whole(self, text: str, finish: str | None, usage: common_pb2.Usage) -> dict[str, Any]:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+                      "logprobs": None}
+            body = self._envelope("chat.completion", [choice])
+        else:
+            body = self._envelope("text_completion", [{"index": 0, "text": text, "finish_reason": finish,
+                                                       "logprobs": None}])
+        body["usage"] = _usage(usage)
+        return body
+
+    def delta(self, text: str | None, finish: str | None, first: bool = False) -> dict[str, Any]:
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
+            if text:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            return self._envelope("chat.completion.chunk", [choice])
+        return self._envelope("text_completion", [{"index": 0, "text": text or "", "finish_reason": finish,
+                                                   "logprobs": None}])
+
+    def usage_chunk(self, usage: common_pb2.Usage) -> dict[str, Any]:
+        body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
+        body["usage"] = _usage(usage)
+        return body
+
+
+def _sse(obj: Any) -> bytes:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
+
+
+# ------------------------------------------------------------------------------------------------ the app
+
+async def _next_chunk(it):
+    """The next chunk of a blocking iterator, in a worker thread; None at the end."""
+    return await anyio.to_thread.run_sync(next, it, None)
+
+
+def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: RouterMetrics,
+               feed: EventsFeed | None = None, is_ready: Callable[[], bool] = lambda: True) -> FastAPI:
+    app = FastAPI(title="Strata router (OpenAI-compatible)", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ready = [v for v in registry.workers() if v.state == "ready"]
+        roles = {v.record.role for v in ready}
+        ok = is_ready() and bool(ready) and ("decode" in roles or "both" in roles)
+        return JSONResponse({"status": "ok" if ok else "unavailable", "workers": len(ready)},
+                            status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(dispatcher, registry, feed), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        created = int(time.time())
+        return {"object": "list", "data": [{"id": m.id, "object": "model", "created": created,
+                                            "owned_by": "strata", "max_model_len": m.max_model_len}
+                                           for m in dispatcher.models.values()]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = await _json_body(request)
+        params, options = from_completion(body, dispatcher.limits, _request_id(request))
+        return await _serve(request, params, options)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = await _json_body(request)
+        model_name = body.get("model") if isinstance(body, dict) else None
+        model = dispatcher.models.get(model_name) if isinstance(model_name, str) else None
+        render = model.render_chat if model is not None else next(iter(dispatcher.models.values())).render_chat
+        params, options = from_chat(body, dispatcher.limits, _request_id(request), render)
+        stops = dispatcher.models[params.model].chat_stop_token_ids
+        if stops:  # NOTE: ChatML ends a turn with <|im_end|>, which is not the checkpoint's EOS
+            sampling = replace(params.sampling, stop_token_ids=tuple(params.sampling.stop_token_ids) + stops)
+            params = replace(params, sampling=sampling)
+        return await _serve(request, params, options)
+
+    async def _serve(request: Request, params: GenerateParams, options: OpenAIOptions) -> Response:
+        run = await anyio.to_thread.run_sync(dispatcher.start, params, _identity(request), None, "http")
+        if options.stream:
+            return StreamingResponse(_stream(run, params, options), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await _whole(run, params, options, request)
+
+    async def _whole(run: RequestRun, params: GenerateParams, options: OpenAIOptions,
+                     request: Request) -> JSONResponse:
+        it = run.events()
+        text, finish, usage = [params.prompt_text or ""] if options.echo else [], None, common_pb2.Usage()
+        try:
+            while (chunk := await _next_chunk(it)) is not None:
+                text.append(chunk.text_delta)
+                if chunk.finish_reason:
+                    finish, usage = _FINISH.get(chunk.finish_reason), chunk.usage
+        except ApiError as exc:
+            return error_response(exc)
+        except asyncio.CancelledError:
+            run.cancel()
+            raise
+        return JSONResponse(_Shape(params, options).whole("".join(text), finish, usage))
+
+    async def _stream(run: RequestRun, params: GenerateParams, options: OpenAIOptions) -> AsyncIterator[bytes]:
+        shape, it = _Shape(params, options), run.events()
+        usage = None
+        try:
+            first = True
+            if options.chat or options.echo:
+                yield _sse(shape.delta(params.prompt_text if options.echo else None, None, first=True))
+                first = False
+            while (chunk := await _next_chunk(it)) is not None:
+                finish = _FINISH.get(chunk.finish_reason) if chunk.finish_reason else None
+                if chunk.text_delta or finish:
+                    yield _sse(shape.delta(chunk.text_delta, finish, first=first))
+                    first = False
+                if chunk.finish_reason:
+                    usage = chunk.usage
+            if options.include_usage and usage is not None:
+                yield _sse(shape.usage_chunk(usage))
+        except ApiError as exc:
+            yield _sse(error_body(exc))
+        except BaseException:
+            run.cancel()  # client gone (the response task is cancelled): the workers stop too
+            raise
+        yield b"data: [DONE]\n\n"
+
+    return app
+
+
+async def _json_body(request: Request) -> Any:
+    try:
+        return json.loads(await request.body() or b"null")
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"the request body is not valid JSON: {exc}") from None
+
+
+def _request_id(request: Request) -> str:
+    given = request.headers.get("x-request-id", "")
+    return given if 0 < len(given) <= 128 else uuid.uuid4().hex
+
+
+def _identity(request: Request) -> str:
+    auth = request.headers.get("authorization", "")
+    return f"token:{auth}" if auth else "anonymous"

@@ -1,0 +1,327 @@
+"""One request's run through the workers (DESIGN §2 steps 3-5), streamed back as `GenerateResponse`s.
+
+    disaggregated:  Prefill(p) ─first token─> client;  Decode(d, KvHandle) ─tokens─> client
+    local:          Generate(d) ─tokens─> client                          (conditional disaggregation)
+
+A step that fails (worker gone, UNAVAILABLE, RESOURCE_EXHAUSTED) is retried on another worker. Every request runs
+with a seed (drawn by validation when the caller set none), so a retry reproduces the same tokens: a retry after
+tokens reached the client reruns the request with `Generate` on another decode worker and forwards only what the
+client does not have yet:
+
+    client has:  | t0 t1 t2 |                    rerun on d2:  | t0 t1 t2 | t3 t4 ... |
+                                                              (skipped)   (forwarded)
+
+Cancellation: `cancel()` (client gone, deadline) cancels the worker call in flight and tells the worker to Abort;
+`abort()` (the `Abort` RPC) asks the worker to Abort, so its stream ends with FINISH_REASON_ABORT, which is forwarded
+as the last chunk (the call is cancelled after a grace period if it does not end by itself).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterator, Sequence
+
+import grpc
+
+from kvstore.hashing import hash_blocks
+from router.policy import RouteDecision
+from router.served_model import ServedModel
+from router.validation import ApiError, GenerateParams
+from strata.v1 import common_pb2, strata_pb2, worker_pb2
+from worker_common.convert import sampling_to_proto
+
+if TYPE_CHECKING:
+    from router.dispatch import Dispatcher
+
+log = logging.getLogger(__name__)
+
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL,
+              grpc.StatusCode.UNKNOWN, grpc.StatusCode.ABORTED}
+_GONE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
+_ABORT_GRACE_S = 2.0
+UNSET = common_pb2.FINISH_REASON_UNSPECIFIED
+
+
+class StepFailed(Exception):
+    def __init__(self, worker_id: str, code: grpc.StatusCode, detail: str) -> None:
+        super().__init__(f"{worker_id}: {code.name}: {detail}")
+        self.worker_id, self.code = worker_id, code
+
+
+@dataclass
+class _Progress:
+    """What the client already has: a retry forwards only what lies beyond it."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    first_chunk_sent: bool = False
+    first_token_at: float | None = None
+
+
+class RequestRun:
+    """One in-flight request. `events()` yields `GenerateResponse`s; `cancel()` / `abort()` from other threads."""
+
+    def __init__(self, dispatcher: "Dispatcher", params: GenerateParams, model: ServedModel, prompt: list[int],
+                 sampling, salt: str, timeout_s: float, door: str) -> None:
+        self.d, self.params, self.model, self.prompt, self.door = dispatcher, params, model, prompt, door
+        self.sampling = sampling_to_proto(sampling)
+        self.salt = salt
+        self.request_id = params.request_id
+        self.started = time.monotonic()
+        self.deadline = self.started + timeout_s
+        self.hashes = hash_blocks(model.namespace.with_salt(salt).fingerprint(), prompt, model.block_size)
+        self.progress = _Progress()
+        self.retries = 0
+        self.route = ""
+        self.cancelled = threading.Event()
+        self.aborted = threading.Event()
+        self._lock = threading.Lock()
+        self._call = None                      # the worker call in flight (future or stream)
+        self._call_worker: tuple[str, str] | None = None  # (worker id, address)
+
+    # ---- control, any thread ------------------------------------------------------------------------------------
+
+    def cancel(self) -> None:
+        """The client is gone (or its deadline passed): stop the worker call and free the worker's KV."""
+        self.cancelled.set()
+        self._stop_worker(cancel_call=True)
+
+    def abort(self) -> None:
+        """`Abort` RPC: the worker ends the stream with FINISH_REASON_ABORT; cancel it if it does not in time."""
+        self.aborted.set()
+        self._stop_worker(cancel_call=False)
+
+    def _stop_worker(self, cancel_call: bool) -> None:
+        with self._lock:
+            call, worker = self._call, self._call_worker
+        if worker is not None:
+            future = self.d.channels.stub(worker[1]).Abort.future(
+                worker_pb2.WorkerAbortRequest(request_id=self.request_id), timeout=_ABORT_GRACE_S)
+            future.add_done_callback(lambda f: f.exception() and log.info("Abort on %s: %s", worker[0], f.exception()))
+        if call is not None:
+            if cancel_call:
+                call.cancel()
+            else:
+                threading.Timer(_ABORT_GRACE_S, call.cancel).start()
+
+    def _attach(self, call, worker_id: str, address: str) -> None:
+        with self._lock:
+            self._call, self._call_worker = call, (worker_id, address)
+        if self.cancelled.is_set():
+            call.cancel()
+        elif self.aborted.is_set():
+            self._stop_worker(cancel_call=False)
+
+    def _detach(self) -> None:
+        with self._lock:
+            self._call, self._call_worker = None, None
+
+    # ---- the stream ---------------------------------------------------------------------------------------------
+
+    def events(self) -> Iterator[strata_pb2.GenerateResponse]:
+        outcome, last = "error", None
+        try:
+            for chunk in self._attempts():
+                last = chunk
+                yield chunk
+            if last is not None and last.finish_reason != UNSET:
+                outcome = common_pb2.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower()
+        except ApiError as exc:
+            outcome = exc.code.name.lower()
+            raise
+        finally:
+            if outcome == "error" and self.cancelled.is_set():
+                outcome = "cancelled"
+            self.d.finish(self, outcome, last.usage if last is not None and last.HasField("usage") else None)
+
+    def _attempts(self) -> Iterator[strata_pb2.GenerateResponse]:
+        excluded: set[str] = set()
+        last_error = "no attempt made"
+        for _ in range(self.d.config.max_attempts):
+            decision = self.d.route(self, excluded)
+            self.route = "disaggregated" if decision.disaggregated else "local"
+            try:
+                if decision.disaggregated and not self.progress.token_ids:
+                    yield from self._disaggregated(decision)
+                else:
+                    yield from self._local(decision.decode_worker, decision.predicted_ttft_s)
+                return
+            except _Aborted:
+                # NOTE: the worker's own ABORT chunk did not arrive in time (the call was cancelled after the
+                # grace period): end the stream the way the contract says anyway.
+                yield self._final(common_pb2.FINISH_REASON_ABORT, common_pb2.Usage(
+                    prompt_tokens=len(self.prompt), completion_tokens=len(self.progress.token_ids)))
+                return
+            except StepFailed as failed:
+                self._check_stopped()
+                excluded.add(failed.worker_id)
+                if failed.code in _GONE:
+                    self.d.registry.report_failure(failed.worker_id, str(failed))
+                last_error = str(failed)
+                self.retries += 1
+                log.warning("request %s: step failed (%s); retrying on another worker", self.request_id, failed)
+        raise ApiError(grpc.StatusCode.UNAVAILABLE,
+                       f"request failed on {self.d.config.max_attempts} workers; last error: {last_error}")
+
+    def _disaggregated(self, decision: RouteDecision) -> Iterator[strata_pb2.GenerateResponse]:
+        p, d = decision.prefill_worker, decision.decode_worker
+        first = self._prefill(p, d, decision.predicted_ttft_s)
+        if first.finish_reason == common_pb2.FINISH_REASON_ABORT:
+            yield self._final(common_pb2.FINISH_REASON_ABORT, common_pb2.Usage(prompt_tokens=len(self.prompt)))
+            return
+        chunk = self._chunk([first.first_token_id], first.first_text_delta)
+        if first.finish_reason != UNSET:
+            chunk.finish_reason = first.finish_reason
+            chunk.usage.CopyFrom(common_pb2.Usage(prompt_tokens=len(self.prompt), completion_tokens=1,
+                                                  cached_tokens=first.cached_tokens))
+            _copy_stop(first, chunk)
+            self._metrics(chunk, p, d, True, first.timings, None)
+            yield chunk
+            return
+        yield chunk
+        request = worker_pb2.DecodeRequest(
+            request_id=self.request_id, token_ids=self.prompt, first_token_id=first.first_token_id, kv=first.kv,
+            sampling=self.sampling, cache_salt=self.salt, skip_text=self.params.skip_text,
+            cached_tokens=first.cached_tokens)
+        yield from self._stream(d, "Decode", request, prefill=(p, first.timings), work_s=self._decode_work_s())
+
+    def _prefill(self, p: str, d: str, predicted_s: float) -> worker_pb2.PrefillResponse:
+        address = self.d.address_of(p)
+        request = worker_pb2.PrefillRequest(request_id=self.request_id, token_ids=self.prompt, sampling=self.sampling,
+                                            cache_salt=self.salt, lease_ms=self.d.config.lease_ms,
+                                            decode_worker_id=d)
+        self.d.registry.begin(p, predicted_s)
+        try:
+            future = self.d.channels.stub(address).Prefill.future(request, timeout=self._remaining())
+            self._attach(future, p, address)
+            response = future.result()
+        except grpc.RpcError as exc:
+            raise self._translate(exc, p) from None
+        finally:
+            self._detach()
+            self.d.registry.end(p)
+        self.d.check_namespace(p, response.kv, self.salt, self.model)
+        return response
+
+    def _local(self, d: str, prefill_s: float) -> Iterator[strata_pb2.GenerateResponse]:
+        request = worker_pb2.WorkerGenerateRequest(request_id=self.request_id, token_ids=self.prompt,
+                                                   sampling=self.sampling, cache_salt=self.salt,
+                                                   skip_text=self.params.skip_text)
+        yield from self._stream(d, "Generate", request, prefill=None, work_s=prefill_s + self._decode_work_s())
+
+    def _decode_work_s(self) -> float:
+        return self.sampling.max_tokens * self.d.config.decode_s_per_token
+
+    def _stream(self, worker_id: str, method: str, request, prefill,
+                work_s: float) -> Iterator[strata_pb2.GenerateResponse]:
+        """Forward a worker's TokenChunk stream, skipping what the client already has (a rerun after a retry)."""
+        address = self.d.address_of(worker_id)
+        rerun_tokens: list[int] = list(self.progress.token_ids[:1]) if method == "Decode" else []
+        rerun_text = self.progress.text if method == "Decode" else ""
+        self.d.registry.begin(worker_id, work_s)
+        call, finished = None, False
+        try:
+            call = getattr(self.d.channels.stub(address), method)(request, timeout=self._remaining())
+            self._attach(call, worker_id, address)
+            for wc in call:
+                rerun_tokens.extend(wc.token_ids)
+                rerun_text += wc.text_delta
+                new_ids = rerun_tokens[len(self.progress.token_ids):]
+                new_text = rerun_text[len(self.progress.text):]
+                finished = wc.finish_reason != UNSET
+                if not new_ids and not finished:
+                    continue
+                chunk = self._chunk(new_ids, new_text)
+                if finished:
+                    chunk.finish_reason = wc.finish_reason
+                    chunk.usage.CopyFrom(wc.usage)
+                    _copy_stop(wc, chunk)
+                    p_id, p_timings = prefill if prefill else ("", None)
+                    self._metrics(chunk, p_id, worker_id, prefill is not None, p_timings, wc)
+                yield chunk
+                if finished:
+                    return
+        except grpc.RpcError as exc:
+            raise self._translate(exc, worker_id) from None
+        finally:
+            if call is not None and not finished:
+                call.cancel()  # the consumer stopped early (client gone) or the step failed: free the worker
+            self._detach()
+            self.d.registry.end(worker_id)
+        self._check_stopped()
+        raise StepFailed(worker_id, grpc.StatusCode.UNAVAILABLE, f"{method} stream ended without a last chunk")
+
+    # ---- pieces ---------------------------------------------------------------------------------------------
+
+    def _chunk(self, token_ids: Sequence[int], text: str) -> strata_pb2.GenerateResponse:
+        chunk = strata_pb2.GenerateResponse(request_id=self.request_id, token_ids=token_ids, text_delta=text)
+        if not self.progress.first_chunk_sent:
+            self.progress.first_chunk_sent = True
+            if self.params.include_prompt_token_ids:
+                chunk.prompt_token_ids.extend(self.prompt)
+        if token_ids and self.progress.first_token_at is None:
+            self.progress.first_token_at = time.monotonic()
+        self.progress.token_ids.extend(token_ids)
+        self.progress.text += text
+        return chunk
+
+    def _final(self, reason: int, usage: common_pb2.Usage) -> strata_pb2.GenerateResponse:
+        chunk = self._chunk([], "")
+        chunk.finish_reason = reason
+        chunk.usage.CopyFrom(usage)
+        return chunk
+
+    def _metrics(self, chunk: strata_pb2.GenerateResponse, p: str, d: str, disaggregated: bool,
+                 prefill_timings: common_pb2.Timings | None, last: worker_pb2.TokenChunk | None) -> None:
+        if not self.params.include_metrics:
+            return
+        m = chunk.metrics
+        m.prefill_worker_id, m.decode_worker_id, m.disaggregated = (p if disaggregated else ""), d, disaggregated
+        if prefill_timings is not None:
+            m.timings.CopyFrom(prefill_timings)
+        if last is not None:
+            t = last.timings
+            m.timings.transfer_ms, m.timings.decode_ms = t.transfer_ms, t.decode_ms
+            if not disaggregated:
+                m.timings.queue_ms, m.timings.prefill_ms = t.queue_ms, t.prefill_ms
+            m.blocks_transferred, m.blocks_from_store = last.blocks_transferred, last.blocks_from_store
+            m.blocks_recomputed = last.blocks_recomputed
+        if self.progress.first_token_at is not None:
+            m.timings.ttft_ms = (self.progress.first_token_at - self.started) * 1000.0
+
+    def _remaining(self) -> float:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise ApiError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed")
+        return left
+
+    def _check_stopped(self) -> None:
+        if self.cancelled.is_set():
+            raise ApiError(grpc.StatusCode.CANCELLED, "the client cancelled the request")
+
+    def _translate(self, exc: grpc.RpcError, worker_id: str) -> Exception:
+        """A worker's error as the router's: retryable ones as StepFailed, the caller's faults as ApiError."""
+        code, detail = exc.code(), exc.details() or ""
+        if self.cancelled.is_set():
+            return ApiError(grpc.StatusCode.CANCELLED, "the client cancelled the request")
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED or time.monotonic() >= self.deadline:
+            return ApiError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed")
+        if self.aborted.is_set():
+            return _Aborted()
+        if code in _RETRYABLE:
+            return StepFailed(worker_id, code, detail)
+        return ApiError(code, detail)
+
+
+class _Aborted(ApiError):
+    def __init__(self) -> None:
+        super().__init__(grpc.StatusCode.ABORTED, "aborted")
+
+
+def _copy_stop(source, chunk: strata_pb2.GenerateResponse) -> None:
+    kind = source.WhichOneof("stop_reason")
+    if kind is not None:
+        setattr(chunk, kind, getattr(source, kind))
+

@@ -1,0 +1,82 @@
+"""A model the router serves: its tokenizer, block-hash namespace and limits, read from the checkpoint folder
+without loading weights (the router hashes prompts exactly as the workers do, DESIGN §3)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple, Sequence
+
+from engine.loader import load_checkpoint
+from engine.tokenizer import Tokenizer
+from kvstore.hashing import Namespace
+from router.cost_model import CostModelConfig
+from router.validation import GenerateParams, ModelLimits
+from strata.config import CacheConfig
+from strata.llm import kv_namespace
+from strata.v1 import common_pb2
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "int8": 1}
+
+
+class _CheckpointFacts(NamedTuple):
+    spec: object
+    fingerprint: str
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """A model the router serves: tokenizer, block-hash namespace and limits (what `ListModels` reports)."""
+
+    id: str
+    path: str
+    tokenizer: Tokenizer
+    namespace: Namespace          # salt-free; must equal the workers' (worker_common.engine_setup)
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    kv_bytes_per_token: int
+    chat_stop_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def load(cls, path: str, dtype: str = "float32", block_size: int = 16, max_model_len: int = 2048,
+             model_id: str | None = None) -> "ServedModel":
+        """Reads config.json, the safetensors headers and the tokenizer; no weights."""
+        ckpt = load_checkpoint(path)
+        spec = ckpt.spec
+        # NOTE: `kv_namespace` reads only `.spec` and `.fingerprint` of a runner: handing it the checkpoint's facts
+        # keeps one definition of the namespace (the workers' and the offline LLM's) without loading weights.
+        facts = _CheckpointFacts(spec, ckpt.fingerprint(dtype))
+        namespace = kv_namespace(facts, CacheConfig(block_size=block_size), dtype)  # type: ignore[arg-type]
+        tokenizer = Tokenizer.from_dir(path)
+        im_end = tokenizer.backend.token_to_id("<|im_end|>")
+        chat_stops = (im_end,) if im_end is not None and "<|im_end|>" in (tokenizer.chat_template or "") else ()
+        kv_bytes = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * _DTYPE_BYTES.get(dtype, 4)
+        return cls(model_id or Path(path).name, path, tokenizer, namespace, block_size, max_model_len,
+                   spec.vocab_size, kv_bytes, chat_stops)
+
+    @property
+    def limits(self) -> ModelLimits:
+        return ModelLimits(self.id, self.max_model_len, self.vocab_size)
+
+    def info(self) -> common_pb2.ModelInfo:
+        ns = self.namespace
+        return common_pb2.ModelInfo(id=self.id, max_model_len=self.max_model_len, kv=common_pb2.KvSpec(
+            model_fingerprint=ns.model_fingerprint, kv_layout=ns.kv_layout, kv_dtype=ns.kv_dtype,
+            block_size=self.block_size))
+
+    def render_chat(self, messages: Sequence[dict]) -> str:
+        """The checkpoint's chat template, or a plain `role: content` transcript when it has none."""
+        if self.tokenizer.chat_template:
+            return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
+        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+
+    def tokenize(self, params: GenerateParams) -> list[int]:
+        if params.prompt_ids is not None:
+            return list(params.prompt_ids)
+        return self.tokenizer.encode(params.prompt_text or "", add_special_tokens=params.add_special_tokens)
+
+
+
+def cost_config_for(model: ServedModel, base: CostModelConfig) -> CostModelConfig:
+    return base.replace(block_size=model.block_size, kv_bytes_per_token=model.kv_bytes_per_token)
+

@@ -1,0 +1,311 @@
+"""The router's gRPC face: the public `Strata` service, the workers' `Registry`, grpc health and reflection.
+
+    clients ──Strata──> StrataService ──> Dispatcher (dispatch.py) ──Worker──> workers
+    workers ──Registry─> RegistryService ──> WorkerRegistry (registry.py) ──listeners──> EventsFeed, index
+    `--worker ADDR` ──> WorkerProbe: Health + Stats as the worker's registration and heartbeat
+
+Errors follow docs/api.md: every `ApiError` becomes its status with its message.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent import futures
+from typing import Callable, Iterable, Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from router.dispatch import GRPC_OPTIONS, Dispatcher
+from router.served_model import ServedModel
+from router.events_feed import EventsFeed
+from router.registry import LoadFigures, ModelFacts, UnknownWorker, WorkerRecord, WorkerRegistry, WorkerView
+from router.validation import ApiError, from_grpc
+from strata.v1 import common_pb2, router_pb2, router_pb2_grpc, strata_pb2, strata_pb2_grpc, worker_pb2
+
+log = logging.getLogger(__name__)
+
+_ROLE_NAME = {common_pb2.WORKER_ROLE_PREFILL: "prefill", common_pb2.WORKER_ROLE_DECODE: "decode",
+              common_pb2.WORKER_ROLE_BOTH: "both"}
+_ROLE_PROTO = {v: k for k, v in _ROLE_NAME.items()}
+_STATE_PROTO = {"ready": common_pb2.WORKER_STATE_READY, "draining": common_pb2.WORKER_STATE_DRAINING,
+                "dead": common_pb2.WORKER_STATE_DEAD}
+_FANOUT_TIMEOUT_S = 5.0
+
+
+# ------------------------------------------------------------------------------------------------ conversions
+
+def record_from_proto(info: common_pb2.WorkerInfo, probed: bool = False) -> WorkerRecord:
+    """INVALID_ARGUMENT naming the field for a registration that misses a required one."""
+    for name in ("id", "address"):
+        if not getattr(info, name):
+            raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"worker.{name} must not be empty", f"worker.{name}")
+    if info.role not in _ROLE_NAME:
+        raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, "worker.role must be PREFILL, DECODE or BOTH, got "
+                       f"{common_pb2.WorkerRole.Name(info.role)}", "worker.role")
+    if not info.model.id:
+        raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, "worker.model.id must not be empty", "worker.model.id")
+    kv = info.model.kv
+    model = ModelFacts(info.model.id, info.model.max_model_len, kv.model_fingerprint, kv.kv_layout, kv.kv_dtype,
+                       kv.block_size)
+    return WorkerRecord(info.id, _ROLE_NAME[info.role], info.address, model, info.kv_events_endpoint,
+                        info.kv_replay_endpoint, tuple(info.transfer_backends), tuple(info.tiers), probed)
+
+
+def load_from_proto(load: common_pb2.WorkerLoad) -> LoadFigures:
+    return LoadFigures(load.running, load.waiting, load.kv_usage, load.pending_prefill_tokens, load.running_tokens,
+                       load.backlog_s)
+
+
+def view_to_proto(view: WorkerView, models: dict[str, ServedModel]) -> common_pb2.WorkerInfo:
+    r, load = view.record, view.load
+    served = models.get(r.model.id)
+    model = served.info() if served is not None else common_pb2.ModelInfo(id=r.model.id,
+                                                                           max_model_len=r.model.max_model_len)
+    return common_pb2.WorkerInfo(
+        id=r.id, role=_ROLE_PROTO[r.role], address=r.address, state=_STATE_PROTO[view.state], model=model,
+        load=common_pb2.WorkerLoad(running=load.running, waiting=load.waiting, kv_usage=load.kv_usage,
+                                   pending_prefill_tokens=load.pending_prefill_tokens,
+                                   running_tokens=load.running_tokens, backlog_s=load.backlog_s),
+        kv_events_endpoint=r.kv_events_endpoint, kv_replay_endpoint=r.kv_replay_endpoint,
+        transfer_backends=r.transfer_backends, tiers=r.tiers, last_heartbeat_unix_ms=view.last_heartbeat_unix_ms)
+
+
+def _abort_with(context: grpc.ServicerContext, exc: ApiError) -> None:
+    context.abort(exc.code, exc.message)
+
+
+def _identity(context: grpc.ServicerContext) -> str:
+    """Who is calling, for the cache salt: the bearer token's digest, or the peer when there is none."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            return f"token:{value}"
+    return "anonymous"
+
+
+# ------------------------------------------------------------------------------------------------ Strata
+
+class StrataService(strata_pb2_grpc.StrataServicer):
+    def __init__(self, dispatcher: Dispatcher, registry: WorkerRegistry, allow_admin: bool = True) -> None:
+        self.dispatcher, self.registry, self.allow_admin = dispatcher, registry, allow_admin
+        self._pool = futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="fanout")
+
+    def Generate(self, request: strata_pb2.GenerateRequest, context: grpc.ServicerContext):
+        try:
+            params = from_grpc(request, self.dispatcher.limits)
+            run = self.dispatcher.start(params, _identity(context), context.time_remaining(), door="grpc")
+        except ApiError as exc:
+            _abort_with(context, exc)
+        context.add_callback(run.cancel)  # client cancel or deadline: the workers stop too
+        try:
+            yield from run.events()
+        except ApiError as exc:
+            if context.is_active():
+                _abort_with(context, exc)
+
+    def Abort(self, request: strata_pb2.AbortRequest, context) -> strata_pb2.AbortResponse:
+        try:
+            self.dispatcher.abort(request.request_id)
+        except ApiError as exc:
+            _abort_with(context, exc)
+        return strata_pb2.AbortResponse()
+
+    def ListModels(self, request, context) -> strata_pb2.ListModelsResponse:
+        return strata_pb2.ListModelsResponse(models=[m.info() for m in self.dispatcher.models.values()])
+
+    def ListWorkers(self, request: strata_pb2.ListWorkersRequest, context) -> strata_pb2.ListWorkersResponse:
+        role = _ROLE_NAME.get(request.role)
+        views = self.registry.workers(role, include_dead=request.include_dead)
+        return strata_pb2.ListWorkersResponse(workers=[view_to_proto(v, self.dispatcher.models) for v in views])
+
+    def GetCacheStats(self, request: strata_pb2.GetCacheStatsRequest, context) -> strata_pb2.GetCacheStatsResponse:
+        views = self._select(request.worker_ids, context)
+        stats = self._fan_out(views, lambda stub: stub.Stats(worker_pb2.StatsRequest(), timeout=_FANOUT_TIMEOUT_S))
+        out = strata_pb2.GetCacheStatsResponse()
+        for view, (answer, error) in zip(views, stats):
+            entry = out.workers.add(worker_id=view.record.id)
+            if error:
+                entry.error = error
+                continue
+            entry.CopyFrom(answer.cache)
+            entry.worker_id = view.record.id
+            if request.tier:
+                kept = [t for t in entry.tiers if t.tier == request.tier]
+                del entry.tiers[:]
+                entry.tiers.extend(kept)
+        return out
+
+    def EvictCache(self, request: common_pb2.EvictCacheRequest, context) -> common_pb2.EvictCacheResponse:
+        self._admin_allowed(context)
+        if bool(request.block_hashes) == bool(request.bytes):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "exactly one of block_hashes and bytes must be given")
+        if any(len(h) != 16 for h in request.block_hashes):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "block_hashes must be 16 bytes each")
+        return self._admin(request, context, "EvictCache", common_pb2.EvictCacheResponse())
+
+    def FlushCache(self, request: common_pb2.FlushCacheRequest, context) -> common_pb2.FlushCacheResponse:
+        self._admin_allowed(context)
+        return self._admin(request, context, "FlushCache", common_pb2.FlushCacheResponse())
+
+    # ---- helpers ----------------------------------------------------------------------------------------------
+
+    def _admin_allowed(self, context) -> None:
+        if not self.allow_admin:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, "admin calls are off on this router "
+                                                             "(start it without --no-admin)")
+
+    def _admin(self, request, context, method: str, response):
+        views = self._select([request.worker_id] if request.worker_id else [], context)
+        forward = type(request)()
+        forward.CopyFrom(request)
+        answers = self._fan_out(views, lambda stub: getattr(stub, method)(forward, timeout=_FANOUT_TIMEOUT_S))
+        for view, (answer, error) in zip(views, answers):
+            if error:
+                response.results.add(worker_id=view.record.id, tier=request.tier, error=error)
+            else:
+                response.results.extend(answer.results)
+        return response
+
+    def _select(self, worker_ids: Sequence[str], context) -> list[WorkerView]:
+        views = self.registry.workers()
+        if not worker_ids:
+            return views
+        known = {v.record.id: v for v in views}
+        missing = [w for w in worker_ids if w not in known]
+        if missing:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"worker_ids: unknown worker {missing[0]!r}; known: "
+                                                     f"{sorted(known)}")
+        return [known[w] for w in worker_ids]
+
+    def _fan_out(self, views: Iterable[WorkerView], call: Callable) -> list[tuple[object, str]]:
+        """Ask every worker in parallel; (answer, "") or (None, why) per worker, in order."""
+        def one(view: WorkerView):
+            try:
+                return call(self.dispatcher.channels.stub(view.record.address)), ""
+            except grpc.RpcError as exc:
+                return None, f"{exc.code().name}: {exc.details()}"
+        return list(self._pool.map(one, views))
+
+
+# ---------------------------------------------------------------------------------------------- Registry
+
+class RegistryService(router_pb2_grpc.RegistryServicer):
+    def __init__(self, registry: WorkerRegistry, feed: EventsFeed | None = None) -> None:
+        self.registry, self.feed = registry, feed
+
+    def RegisterWorker(self, request: router_pb2.RegisterWorkerRequest, context):
+        try:
+            record = record_from_proto(request.worker)
+        except ApiError as exc:
+            _abort_with(context, exc)
+        self.registry.register(record)
+        log.info("worker %s registered (%s at %s)", record.id, record.role, record.address)
+        cfg = self.registry.config
+        return router_pb2.RegisterWorkerResponse(worker_id=record.id, heartbeat_interval_ms=cfg.heartbeat_interval_ms,
+                                                 heartbeat_timeout_ms=cfg.heartbeat_timeout_ms)
+
+    def Heartbeat(self, request: router_pb2.HeartbeatRequest, context):
+        try:
+            state = self.registry.heartbeat(request.worker_id, load_from_proto(request.load),
+                                            request.last_kv_event_seq if request.last_kv_event_seq else None)
+        except UnknownWorker:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"worker_id {request.worker_id!r} is not registered (or was "
+                                                     f"declared dead): register again")
+        if self.feed is not None and request.last_kv_event_seq:
+            self.feed.note_published_seq(request.worker_id, request.last_kv_event_seq)
+        return router_pb2.HeartbeatResponse(state=_STATE_PROTO[state])
+
+    def Drain(self, request: router_pb2.DrainRequest, context):
+        try:
+            view = self.registry.drain(request.worker_id)
+        except UnknownWorker:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"worker_id {request.worker_id!r} is not registered")
+        return router_pb2.DrainResponse(worker=view_to_proto(view, {}))
+
+    def Deregister(self, request: router_pb2.DeregisterRequest, context):
+        self.registry.deregister(request.worker_id)
+        return router_pb2.DeregisterResponse()
+
+
+# ------------------------------------------------------------------------------------------- --worker probe
+
+class WorkerProbe:
+    """Workers named by address (`--worker host:port`) that do not register themselves: `Health` tells their id
+    and role, `Stats` their load; each successful poll is their heartbeat, a failed one is silence."""
+
+    def __init__(self, addresses: Sequence[str], registry: WorkerRegistry, dispatcher: Dispatcher,
+                 default_model: ServedModel) -> None:
+        self.addresses, self.registry, self.dispatcher = list(addresses), registry, dispatcher
+        self.model = default_model
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="worker-probe", daemon=True)
+
+    def start(self) -> None:
+        self.poll_once()
+        self._thread.start()
+
+    def poll_once(self) -> None:
+        for address in self.addresses:
+            self._poll(address)
+        self.registry.sweep()
+
+    def _run(self) -> None:
+        interval = self.registry.config.heartbeat_interval_ms / 1000.0
+        while not self._stop.wait(interval):
+            try:
+                self.poll_once()
+            except Exception:  # the probe must outlive any one bad answer
+                log.exception("worker probe failed")
+
+    def _poll(self, address: str) -> None:
+        stub = self.dispatcher.channels.stub(address)
+        try:
+            health_answer = stub.Health(worker_pb2.HealthRequest(), timeout=2.0)
+            stats = stub.Stats(worker_pb2.StatsRequest(), timeout=2.0)
+        except grpc.RpcError:
+            return  # silence: the sweep declares it dead after the heartbeat timeout
+        wid = health_answer.worker_id
+        load = load_from_proto(stats.load)
+        try:
+            state = self.registry.heartbeat(wid, load)
+            if state == "ready" and health_answer.state == common_pb2.WORKER_STATE_DRAINING:
+                self.registry.drain(wid)
+        except UnknownWorker:
+            record = self._record(wid, address, health_answer, stats)
+            self.registry.register(record)
+            self.registry.heartbeat(wid, load)
+            log.info("worker %s found at %s (%s)", wid, address, record.role)
+
+    def _record(self, wid: str, address: str, health_answer, stats) -> WorkerRecord:
+        """A worker the registry declared dead keeps what it told at registration (its KV-event endpoints);
+        a new one is described from its Health and Stats."""
+        try:
+            known = self.registry.get(wid).record
+            if known.address == address:
+                return known
+        except UnknownWorker:
+            pass
+        tiers = tuple(t.tier for t in stats.cache.tiers)
+        return WorkerRecord(wid, _ROLE_NAME.get(health_answer.role, "both"), address,
+                            ModelFacts(self.model.id, self.model.max_model_len), tiers=tiers, probed=True)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def add_services(server: grpc.Server, strata: StrataService, registry: RegistryService) -> health.HealthServicer:
+    strata_pb2_grpc.add_StrataServicer_to_server(strata, server)
+    router_pb2_grpc.add_RegistryServicer_to_server(registry, server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = (strata_pb2.DESCRIPTOR.services_by_name["Strata"].full_name,
+             router_pb2.DESCRIPTOR.services_by_name["Registry"].full_name,
+             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
+    return health_servicer
+
+
+def make_grpc_server(max_workers: int = 64) -> grpc.Server:
+    return grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+                       options=GRPC_OPTIONS)

@@ -1,0 +1,345 @@
+"""The one place a request becomes validated parameters (docs/api.md "Errors").
+
+Both front doors (gRPC `Strata.Generate`, OpenAI HTTP) end up in `GenerateParams`; every rejection is an `ApiError`
+that names the field and the allowed range, and carries the gRPC status it maps to:
+
+    grpc GenerateRequest --from_grpc-----------\
+    POST /v1/completions --from_completion------>  GenerateParams  --check_prompt--> SamplingParams (max_tokens fitted)
+    POST /v1/chat/completions --from_chat------/
+
+Field names follow each door's spelling: `sampling.top_p` over gRPC, `top_p` over HTTP.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+import uuid
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Mapping, Sequence
+
+import grpc
+
+from engine.sampling_params import SamplingParams
+
+DEFAULT_MAX_TOKENS = 64
+MAX_TEMPERATURE = 100.0
+MAX_SEED = 2**63
+MAX_REQUEST_ID_LEN = 256
+_CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+class ApiError(Exception):
+    """A request the router refuses. `param` names the field (None when no single field is at fault)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.code, self.message, self.param = code, message, param
+
+
+def invalid(param: str, message: str) -> ApiError:
+    return ApiError(grpc.StatusCode.INVALID_ARGUMENT, message, param)
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What validation needs to know about a served model."""
+
+    id: str
+    max_model_len: int
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class GenerateParams:
+    """A validated generation request. Exactly one of `prompt_text` / `prompt_ids` is set (chat is templated to
+    text before it gets here). `max_tokens_explicit` tells `check_prompt` whether it may shorten max_tokens."""
+
+    model: str
+    prompt_text: str | None
+    prompt_ids: tuple[int, ...] | None
+    sampling: SamplingParams
+    max_tokens_explicit: bool
+    request_id: str
+    cache_salt: str = ""
+    skip_text: bool = False
+    include_prompt_token_ids: bool = False
+    include_metrics: bool = False
+    add_special_tokens: bool = True
+
+
+@dataclass(frozen=True)
+class OpenAIOptions:
+    """What the HTTP layer needs besides the generation itself."""
+
+    stream: bool = False
+    include_usage: bool = False
+    echo: bool = False
+    chat: bool = False
+    messages: tuple[dict, ...] = field(default_factory=tuple)
+
+
+# ------------------------------------------------------------------------------------------------ shared checks
+
+def resolve_model(name: str, models: Mapping[str, ModelLimits], param: str = "model") -> ModelLimits:
+    """Empty name = the only model served."""
+    if not name:
+        if len(models) == 1:
+            return next(iter(models.values()))
+        raise invalid(param, f"{param} must be set: this router serves {sorted(models)}")
+    model = models.get(name)
+    if model is None:
+        raise ApiError(grpc.StatusCode.NOT_FOUND, f"{param} {name!r} is not served here; served: {sorted(models)}",
+                       param)
+    return model
+
+
+def build_sampling(prefix: str, *, max_tokens: int | None, temperature: float, top_p: float | None, top_k: int,
+                   seed: int | None, stop: Sequence[str], stop_token_ids: Sequence[int], ignore_eos: bool,
+                   include_stop_str_in_output: bool, draw_seed: Callable[[], int] | None = None) -> SamplingParams:
+    """Range checks with the door's field names; an unset seed is drawn here, so a retry on another worker
+    continues the same random stream (docs/api.md: "the same tokens on any worker, after a failover too")."""
+    if max_tokens is not None and max_tokens < 1:
+        raise invalid(f"{prefix}max_tokens", f"{prefix}max_tokens must be >= 1, got {max_tokens}")
+    if not (math.isfinite(temperature) and 0.0 <= temperature <= MAX_TEMPERATURE):
+        raise invalid(f"{prefix}temperature",
+                      f"{prefix}temperature must be in [0, {MAX_TEMPERATURE:g}] (0 = greedy), got {temperature}")
+    if top_p is not None and not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
+        raise invalid(f"{prefix}top_p", f"{prefix}top_p must be in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise invalid(f"{prefix}top_k", f"{prefix}top_k must be >= 0 (0 = off), got {top_k}")
+    if seed is not None and not 0 <= seed < MAX_SEED:
+        raise invalid(f"{prefix}seed", f"{prefix}seed must be in [0, 2**63), got {seed}")
+    if any(not isinstance(s, str) or not s for s in stop):
+        raise invalid(f"{prefix}stop", f"{prefix}stop strings must be non-empty strings, got {list(stop)!r}")
+    if seed is None and draw_seed is not None:
+        seed = draw_seed()
+    return SamplingParams(max_tokens=max_tokens or DEFAULT_MAX_TOKENS, temperature=float(temperature),
+                          top_k=top_k, top_p=1.0 if top_p is None else float(top_p), seed=seed, stop=tuple(stop),
+                          stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos,
+                          include_stop_str_in_output=include_stop_str_in_output)
+
+
+def check_request_id(request_id: str, param: str = "request_id") -> str:
+    if len(request_id) > MAX_REQUEST_ID_LEN:
+        raise invalid(param, f"{param} must be at most {MAX_REQUEST_ID_LEN} characters, got {len(request_id)}")
+    return request_id or uuid.uuid4().hex
+
+
+def check_prompt(params: GenerateParams, token_ids: Sequence[int], model: ModelLimits,
+                 ids_param: str = "prompt.token_ids", prompt_param: str = "prompt") -> SamplingParams:
+    """Token-level checks once the prompt is tokenized; returns the sampling params with max_tokens fitted.
+
+    An explicit max_tokens that does not fit is an error; the default is shortened to the room left.
+    """
+    if not token_ids:
+        raise invalid(prompt_param, f"{prompt_param} must not be empty")
+    bad = next((t for t in token_ids if not 0 <= t < model.vocab_size), None)
+    if bad is not None:
+        raise invalid(ids_param, f"{ids_param} must be in [0, {model.vocab_size}), got {bad}")
+    room = model.max_model_len - len(token_ids)
+    sampling = params.sampling
+    if room < 1:
+        raise invalid(prompt_param, f"{prompt_param}: {len(token_ids)} tokens leave no room below max_model_len "
+                                    f"{model.max_model_len}")
+    if sampling.max_tokens > room:
+        if params.max_tokens_explicit:
+            raise invalid(prompt_param, f"{prompt_param}: {len(token_ids)} tokens + max_tokens {sampling.max_tokens} "
+                                        f"exceed max_model_len {model.max_model_len}")
+        sampling = replace(sampling, max_tokens=room)
+    return sampling
+
+
+def effective_salt(cache_salt: str, identity: str) -> str:
+    """The salt the workers hash with (DESIGN §3): the caller's salt bound to the caller's identity, so a salt
+    alone never opens another tenant's prefixes. No salt = the shared public namespace."""
+    if not cache_salt:
+        return ""
+    return hashlib.blake2b(f"{identity}\0{cache_salt}".encode(), digest_size=16).hexdigest()
+
+
+def draw_seed() -> int:
+    return random.SystemRandom().randrange(MAX_SEED)
+
+
+# ---------------------------------------------------------------------------------------------------------- gRPC
+
+def from_grpc(request: Any, models: Mapping[str, ModelLimits]) -> GenerateParams:
+    """`strata_pb2.GenerateRequest` -> GenerateParams. Field names as in strata.proto."""
+    model = resolve_model(request.model, models)
+    kind = request.WhichOneof("prompt")
+    if kind is None or (kind == "text" and not request.text) or (kind == "token_ids" and not request.token_ids.ids):
+        raise invalid("prompt", "prompt must not be empty: set text or token_ids")
+    s = request.sampling
+    sampling = build_sampling(
+        "sampling.", max_tokens=s.max_tokens if s.HasField("max_tokens") else None, temperature=s.temperature,
+        top_p=s.top_p if s.HasField("top_p") else None, top_k=s.top_k, seed=s.seed if s.HasField("seed") else None,
+        stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
+        include_stop_str_in_output=s.include_stop_str_in_output, draw_seed=draw_seed)
+    opts = request.stream_options
+    return GenerateParams(
+        model=model.id, prompt_text=request.text if kind == "text" else None,
+        prompt_ids=tuple(request.token_ids.ids) if kind == "token_ids" else None, sampling=sampling,
+        max_tokens_explicit=s.HasField("max_tokens"), request_id=check_request_id(request.request_id),
+        cache_salt=request.cache_salt, skip_text=opts.skip_text,
+        include_prompt_token_ids=opts.include_prompt_token_ids, include_metrics=opts.include_metrics)
+
+
+# -------------------------------------------------------------------------------------------------------- OpenAI
+
+def _typed(body: Mapping[str, Any], key: str, types: tuple[type, ...], what: str, default: Any = None) -> Any:
+    value = body.get(key, default)
+    if value is None:
+        return default
+    # NOTE: bool is an int subclass in Python; JSON `true` is never a number here.
+    if isinstance(value, bool) and bool not in types:
+        raise invalid(key, f"{key} must be {what}, got {value!r}")
+    if not isinstance(value, types):
+        raise invalid(key, f"{key} must be {what}, got {value!r}")
+    return value
+
+
+def _number(body: Mapping[str, Any], key: str, default: float | None) -> float | None:
+    value = _typed(body, key, (int, float), "a number", default)
+    return None if value is None else float(value)
+
+
+def _integer(body: Mapping[str, Any], key: str, default: int | None) -> int | None:
+    return _typed(body, key, (int,), "an integer", default)
+
+
+def _stop(body: Mapping[str, Any]) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or any(not isinstance(s, str) or not s for s in stop):
+        raise invalid("stop", f"stop must be a non-empty string or a list of non-empty strings, got {stop!r}")
+    return stop
+
+
+def _unsupported(body: Mapping[str, Any]) -> None:
+    """Reject options this server would otherwise silently ignore (an ignored option is a wrong answer)."""
+    for key in ("n", "best_of"):
+        value = body.get(key)
+        if value is not None and value != 1:
+            raise invalid(key, f"{key} must be 1 (one choice per request is supported), got {value!r}")
+    for key in ("presence_penalty", "frequency_penalty"):
+        value = body.get(key)
+        if value not in (None, 0, 0.0):
+            raise invalid(key, f"{key} must be 0 (penalties are not supported yet), got {value!r}")
+    if body.get("logit_bias"):
+        raise invalid("logit_bias", "logit_bias is not supported yet; omit it")
+    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
+        raise invalid("logprobs", "logprobs are not supported yet; omit logprobs and top_logprobs")
+    if body.get("tools") or body.get("functions"):
+        raise invalid("tools", "tools / function calling are not supported; omit tools")
+    fmt = body.get("response_format")
+    if fmt not in (None, {}) and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise invalid("response_format", f"response_format must be {{'type': 'text'}}, got {fmt!r}")
+    if body.get("suffix"):
+        raise invalid("suffix", "suffix is not supported; omit it")
+
+
+def _openai_sampling(body: Mapping[str, Any], max_tokens_keys: Sequence[str]) -> tuple[SamplingParams, bool]:
+    max_tokens, explicit = None, False
+    for key in max_tokens_keys:
+        value = _integer(body, key, None)
+        if value is not None:
+            if value < 1:
+                raise invalid(key, f"{key} must be >= 1, got {value}")
+            max_tokens, explicit = value, True
+            break
+    stop_token_ids = _typed(body, "stop_token_ids", (list,), "a list of token ids", [])
+    if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in stop_token_ids):
+        raise invalid("stop_token_ids", f"stop_token_ids must be non-negative integers, got {stop_token_ids!r}")
+    sampling = build_sampling(
+        "", max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0),
+        top_p=_number(body, "top_p", None), top_k=_integer(body, "top_k", 0) if body.get("top_k") != -1 else 0,
+        seed=_integer(body, "seed", None), stop=_stop(body), stop_token_ids=stop_token_ids,
+        ignore_eos=bool(_typed(body, "ignore_eos", (bool,), "a boolean", False)),
+        include_stop_str_in_output=bool(_typed(body, "include_stop_str_in_output", (bool,), "a boolean", False)),
+        draw_seed=draw_seed)
+    return sampling, explicit
+
+
+def _stream_options(body: Mapping[str, Any]) -> tuple[bool, bool]:
+    stream = bool(_typed(body, "stream", (bool,), "a boolean", False))
+    options = _typed(body, "stream_options", (dict,), "an object", {})
+    if options and not stream:
+        raise invalid("stream_options", "stream_options is only allowed with stream: true")
+    return stream, bool(options.get("include_usage", False))
+
+
+def _common(body: Mapping[str, Any], models: Mapping[str, ModelLimits], request_id: str) -> dict[str, Any]:
+    if not isinstance(body, Mapping):
+        raise invalid("body", "the request body must be a JSON object")
+    model = _typed(body, "model", (str,), "a string", "")
+    _unsupported(body)
+    sampling, explicit = _openai_sampling(body, ("max_tokens", "max_completion_tokens"))
+    return dict(model=resolve_model(model, models).id, sampling=sampling, max_tokens_explicit=explicit,
+                request_id=request_id, cache_salt=_typed(body, "cache_salt", (str,), "a string", ""))
+
+
+def from_completion(body: Mapping[str, Any], models: Mapping[str, ModelLimits],
+                    request_id: str) -> tuple[GenerateParams, OpenAIOptions]:
+    """`POST /v1/completions`: prompt is a string, a list of token ids, or a one-element list of either."""
+    common = _common(body, models, request_id)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    text, ids = None, None
+    if isinstance(prompt, str) and prompt:
+        text = prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        ids = tuple(prompt)
+    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise invalid("prompt", f"prompt must be one prompt (batches are not supported), got {len(prompt)}")
+    else:
+        raise invalid("prompt", "prompt is required: a non-empty string or a non-empty list of token ids")
+    stream, include_usage = _stream_options(body)
+    echo = bool(_typed(body, "echo", (bool,), "a boolean", False))
+    return (GenerateParams(prompt_text=text, prompt_ids=ids, **common),
+            OpenAIOptions(stream=stream, include_usage=include_usage, echo=echo))
+
+
+def check_messages(body: Mapping[str, Any]) -> tuple[dict, ...]:
+    """Chat messages as plain {role, content: str} dicts (content parts of type text are joined)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages", "messages is required: a non-empty list of {role, content} objects")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise invalid(f"messages[{i}]", f"messages[{i}] must be an object with role and content")
+        role, content = m.get("role"), m.get("content")
+        if role not in _CHAT_ROLES:
+            raise invalid(f"messages[{i}].role", f"messages[{i}].role must be one of {_CHAT_ROLES}, got {role!r}")
+        if isinstance(content, list):
+            if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
+                raise invalid(f"messages[{i}].content", f"messages[{i}].content parts must be of type 'text'")
+            content = "".join(str(p.get("text", "")) for p in content)
+        if content is None:
+            content = ""
+        if not isinstance(content, str):
+            raise invalid(f"messages[{i}].content", f"messages[{i}].content must be a string, got {content!r}")
+        out.append({"role": role, "content": content})
+    return tuple(out)
+
+
+def from_chat(body: Mapping[str, Any], models: Mapping[str, ModelLimits], request_id: str,
+              render: Callable[[Sequence[dict]], str]) -> tuple[GenerateParams, OpenAIOptions]:
+    """`POST /v1/chat/completions`: `render` applies the model's chat template (or the plain fallback)."""
+    common = _common(body, models, request_id)
+    messages = check_messages(body)
+    stream, include_usage = _stream_options(body)
+    text = render(messages)
+    # NOTE: the template already wrote any special tokens; adding a BOS again would change the prompt.
+    return (GenerateParams(prompt_text=text, prompt_ids=None, add_special_tokens=False, **common),
+            OpenAIOptions(stream=stream, include_usage=include_usage, chat=True, messages=messages))
+
+
+__all__ = ["ApiError", "GenerateParams", "ModelLimits", "OpenAIOptions", "build_sampling", "check_messages",
+           "check_prompt", "effective_salt", "from_chat", "from_completion", "from_grpc", "invalid",
+           "resolve_model", "DEFAULT_MAX_TOKENS"]

@@ -1,0 +1,265 @@
+"""Operator commands (issue 5 item 7): `strata cache stats|evict|flush` and `strata workers`.
+
+Each talks to the router's gRPC API (`--router`, or `STRATA_ROUTER`, default 127.0.0.1:50051).
+
+    strata cache stats [--worker W] [--tier T] [--json] [--watch SECONDS]
+    strata cache evict --worker W [--tier T] (--bytes N | --hash HEX ...) [--demote]
+    strata cache flush [--worker W] [--tier T] [--yes]
+    strata workers [--role prefill|decode] [--all] [--json]
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any, Iterable, Optional
+
+import typer
+
+cache_app = typer.Typer(help="Inspect and administer the KV-cache tiers of every worker.", no_args_is_help=True,
+                        add_completion=False)
+
+_ROUTER_HELP = "router gRPC address (default: $STRATA_ROUTER or 127.0.0.1:50051)"
+_STATES = {0: "unspecified", 1: "ready", 2: "draining", 3: "dead"}
+_ROLES = {0: "unspecified", 1: "prefill", 2: "decode", 3: "both"}
+
+
+def _console():
+    from rich.console import Console
+    # NOTE: piped output would be cut to 80 columns; a log or a pager can take the whole table.
+    return Console() if sys.stdout.isatty() else Console(width=200)
+
+
+def _client(router: Optional[str]):
+    from strata.client import StrataClient
+    return StrataClient(router, timeout_s=10.0)
+
+
+def _fail(exc: Exception, router: Optional[str]) -> None:
+    import grpc
+    from strata.client import default_address
+
+    if isinstance(exc, grpc.RpcError):
+        where = router or default_address()
+        hint = " (is `strata serve` running?)" if exc.code() == grpc.StatusCode.UNAVAILABLE else ""
+        typer.echo(f"error: {exc.code().name} from the router at {where}{hint}: {exc.details()}", err=True)
+        raise typer.Exit(1)
+    raise exc
+
+
+# ------------------------------------------------------------------------------------------------ stats
+
+def _rate(hits: int, misses: int) -> float | None:
+    return hits / (hits + misses) if hits + misses else None
+
+
+def tier_dict(tier) -> dict[str, Any]:
+    """One tier's counters as JSON: every field of CacheTierStats, plus the two hit rates."""
+    from google.protobuf.json_format import MessageToDict
+
+    out = MessageToDict(tier, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    for key, value in list(out.items()):
+        if isinstance(value, str) and value.isdigit() and key != "tier":
+            out[key] = int(value)  # proto3 JSON writes uint64 as strings; operators' tools want numbers
+    out["hit_rate_blocks"] = _rate(tier.hit_blocks, tier.miss_blocks)
+    out["hit_rate_tokens"] = _rate(tier.hit_tokens, tier.miss_tokens)
+    return out
+
+
+def stats_dict(workers: Iterable, router: str) -> dict[str, Any]:
+    rows = []
+    totals = {k: 0 for k in ("hit_blocks", "miss_blocks", "hit_tokens", "miss_tokens", "bytes_read",
+                             "bytes_written", "evictions", "promotions", "errors")}
+    for w in workers:
+        tiers = [tier_dict(t) for t in w.tiers]
+        for t in tiers:
+            for k in totals:
+                totals[k] += t[k]
+        rows.append({"worker_id": w.worker_id, "error": w.error, "collected_at_unix_ms": w.collected_at_unix_ms,
+                     "tiers": tiers})
+    totals["hit_rate_blocks"] = _rate(totals["hit_blocks"], totals["miss_blocks"])
+    totals["hit_rate_tokens"] = _rate(totals["hit_tokens"], totals["miss_tokens"])
+    return {"router": router, "workers": rows, "totals": totals}
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _pct(rate: float | None) -> str:
+    return "-" if rate is None else f"{rate:.1%}"
+
+
+def stats_table(data: dict[str, Any]):
+    from rich.table import Table
+
+    table = Table(title=f"KV cache tiers (router {data['router']})", title_justify="left")
+    for col in ("worker", "tier", "capacity", "used", "blocks", "hit% blk", "hit% tok", "in", "out", "evict",
+                "promo", "errors", "get p50/p99 ms", "put p50/p99 ms", "healthy"):
+        table.add_column(col, justify="left" if col in ("worker", "tier") else "right")
+    for w in data["workers"]:
+        if w["error"]:
+            table.add_row(w["worker_id"], "-", *["-"] * 12, f"[red]{w['error']}[/red]")
+            continue
+        for t in w["tiers"]:
+            table.add_row(
+                w["worker_id"], t["tier"] + (" (shared)" if t["shared"] else ""), _size(t["capacity_bytes"]),
+                _size(t["used_bytes"]), str(t["blocks"]), _pct(t["hit_rate_blocks"]), _pct(t["hit_rate_tokens"]),
+                _size(t["bytes_written"]), _size(t["bytes_read"]), str(t["evictions"]), str(t["promotions"]),
+                str(t["errors"] + t["checksum_failures"]),
+                f"{t['get_latency_p50_ms']:.2f}/{t['get_latency_p99_ms']:.2f}",
+                f"{t['put_latency_p50_ms']:.2f}/{t['put_latency_p99_ms']:.2f}",
+                "yes" if t["healthy"] else "[red]no[/red]")
+    return table
+
+
+@cache_app.command("stats")
+def stats(
+    router: Optional[str] = typer.Option(None, "--router", help=_ROUTER_HELP),
+    worker: list[str] = typer.Option([], "--worker", help="only this worker (repeatable)"),
+    tier: str = typer.Option("", "--tier", help="only this tier: device, host, disk, redis, s3"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON (one object; one line per refresh with --watch)"),
+    watch: Optional[float] = typer.Option(None, "--watch", help="refresh every SECONDS until Ctrl-C"),
+) -> None:
+    """Per worker and tier: capacity, used, blocks, hit rates, bytes in/out, evictions, promotions, errors,
+    latency percentiles."""
+    console = _console()
+    with _client(router) as client:
+        def snapshot() -> dict[str, Any]:
+            try:
+                return stats_dict(client.cache_stats(worker, tier), client.address)
+            except Exception as exc:  # noqa: BLE001 - turned into a clean message
+                _fail(exc, router)
+                raise
+        if watch is None:
+            data = snapshot()
+            print(json.dumps(data, indent=2)) if as_json else console.print(stats_table(data))
+            return
+        _watch(snapshot, watch, as_json, console)
+
+
+def _watch(snapshot, every_s: float, as_json: bool, console) -> None:
+    from rich.live import Live
+
+    try:
+        if as_json:
+            while True:
+                print(json.dumps(snapshot()), flush=True)
+                time.sleep(every_s)
+        with Live(stats_table(snapshot()), console=console, refresh_per_second=4) as live:
+            while True:
+                time.sleep(every_s)
+                live.update(stats_table(snapshot()))
+    except KeyboardInterrupt:
+        pass
+
+
+# ------------------------------------------------------------------------------------------------ admin
+
+def _print_results(results, as_json: bool) -> None:
+    from rich.table import Table
+
+    if as_json:
+        print(json.dumps([{"worker_id": r.worker_id, "tier": r.tier, "blocks_removed": r.blocks_removed,
+                           "bytes_freed": r.bytes_freed, "blocks_demoted": r.blocks_demoted, "error": r.error}
+                          for r in results], indent=2))
+        return
+    table = Table()
+    for col in ("worker", "tier", "blocks removed", "freed", "demoted", "error"):
+        table.add_column(col)
+    for r in results:
+        table.add_row(r.worker_id, r.tier or "-", str(r.blocks_removed), _size(r.bytes_freed), str(r.blocks_demoted),
+                      r.error or "")
+    _console().print(table)
+
+
+@cache_app.command("evict")
+def evict(
+    router: Optional[str] = typer.Option(None, "--router", help=_ROUTER_HELP),
+    worker: str = typer.Option("", "--worker", help="only this worker (default: every worker)"),
+    tier: str = typer.Option("", "--tier", help="only this tier (default: every tier)"),
+    num_bytes: int = typer.Option(0, "--bytes", help="free at least this many bytes per tier, by its policy"),
+    block_hash: list[str] = typer.Option([], "--hash", help="evict this block (32 hex digits; repeatable)"),
+    demote: bool = typer.Option(False, "--demote", help="move to the next slower tier instead of dropping"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Drop (or demote) chosen blocks, or a number of bytes, from the cache tiers."""
+    if bool(num_bytes) == bool(block_hash):
+        typer.echo("error: give exactly one of --bytes N and --hash HEX", err=True)
+        raise typer.Exit(2)
+    try:
+        hashes = [bytes.fromhex(h) for h in block_hash]
+    except ValueError:
+        typer.echo("error: --hash must be 32 hex digits (a 16-byte block hash)", err=True)
+        raise typer.Exit(2)
+    if any(len(h) != 16 for h in hashes):
+        typer.echo("error: --hash must be 32 hex digits (a 16-byte block hash)", err=True)
+        raise typer.Exit(2)
+    with _client(router) as client:
+        try:
+            results = client.evict_cache(worker, tier, hashes, num_bytes, demote)
+        except Exception as exc:  # noqa: BLE001
+            _fail(exc, router)
+    _print_results(results, as_json)
+
+
+@cache_app.command("flush")
+def flush(
+    router: Optional[str] = typer.Option(None, "--router", help=_ROUTER_HELP),
+    worker: str = typer.Option("", "--worker", help="only this worker (default: every worker)"),
+    tier: str = typer.Option("", "--tier", help="only this tier (default: every local tier; redis/s3 only when "
+                                                "named)"),
+    yes: bool = typer.Option(False, "--yes", "-y", help="do not ask for confirmation"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Empty cache tiers (pinned blocks stay)."""
+    what = f"tier {tier or 'device/host/disk'} of {worker or 'every worker'}"
+    if not yes and sys.stdin.isatty() and not typer.confirm(f"Flush {what}?"):
+        raise typer.Exit(1)
+    with _client(router) as client:
+        try:
+            results = client.flush_cache(worker, tier)
+        except Exception as exc:  # noqa: BLE001
+            _fail(exc, router)
+    _print_results(results, as_json)
+
+
+# ------------------------------------------------------------------------------------------------ workers
+
+def worker_dict(w) -> dict[str, Any]:
+    now_ms = int(time.time() * 1000)
+    return {"id": w.id, "role": _ROLES.get(w.role, "?"), "state": _STATES.get(w.state, "?"), "address": w.address,
+            "model": w.model.id, "running": w.load.running, "waiting": w.load.waiting, "kv_usage": w.load.kv_usage,
+            "tiers": list(w.tiers), "kv_events_endpoint": w.kv_events_endpoint,
+            "last_heartbeat_age_s": (now_ms - w.last_heartbeat_unix_ms) / 1000 if w.last_heartbeat_unix_ms else None}
+
+
+def workers(
+    router: Optional[str] = typer.Option(None, "--router", help=_ROUTER_HELP),
+    role: Optional[str] = typer.Option(None, "--role", help="only prefill or decode workers"),
+    include_dead: bool = typer.Option(False, "--all", help="also list dead workers"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """The workers registered with the router: role, state, address, load, tiers."""
+    from rich.table import Table
+
+    with _client(router) as client:
+        try:
+            rows = [worker_dict(w) for w in client.workers(role, include_dead)]
+        except Exception as exc:  # noqa: BLE001
+            _fail(exc, router)
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return
+    table = Table(title=f"Workers (router {router or client.address})", title_justify="left")
+    for col in ("id", "role", "state", "address", "running", "waiting", "kv use", "tiers", "heartbeat"):
+        table.add_column(col)
+    for r in rows:
+        age = "-" if r["last_heartbeat_age_s"] is None else f"{r['last_heartbeat_age_s']:.1f}s ago"
+        table.add_row(r["id"], r["role"], r["state"], r["address"], str(r["running"]), str(r["waiting"]),
+                      f"{r['kv_usage']:.0%}", ",".join(r["tiers"]), age)
+    _console().print(table)

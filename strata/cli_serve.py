@@ -1,0 +1,77 @@
+"""`strata serve`: a whole disaggregated cluster on this machine, in one command (DESIGN §9, embedded default).
+
+    strata serve                                  # router + 1 prefill + 1 decode, bundled model, host + disk tiers
+    strata serve --prefill 2 --decode 2 --redis-url redis://127.0.0.1:6379/0
+    strata serve --config serve.yaml              # the same keys as the options (dashes or underscores)
+"""
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from typing import Optional
+
+import typer
+
+def banner(info, config) -> str:
+    http = info.http_url
+    lines = [f"Strata is serving {info.model} with {config.prefill} prefill + {config.decode} decode workers",
+             f"  gRPC     {info.grpc_address}      (python: strata.client.StrataClient({info.grpc_address!r}))"]
+    if http:
+        lines += [f"  OpenAI   {http}/v1",
+                  f"  metrics  {http}/metrics",
+                  f"  try:     curl {http}/v1/completions -H 'Content-Type: application/json' "
+                  f"-d '{{\"model\": \"{info.model}\", \"prompt\": \"def fibonacci(n):\", \"max_tokens\": 32}}'"]
+    lines += [f"  cache:   strata cache stats --router {info.grpc_address}",
+              f"SERVING grpc={info.grpc_address} http={http}",
+              "Press Ctrl-C to stop."]
+    return "\n".join(lines)
+
+
+def serve(
+    prefill: Optional[int] = typer.Option(None, "--prefill", help="prefill workers (default 1; 0 = decode only)"),
+    decode: Optional[int] = typer.Option(None, "--decode", help="decode workers (default 1)"),
+    model: Optional[str] = typer.Option(None, help="checkpoint folder or bundled model name (default: bundled)"),
+    host: Optional[str] = typer.Option(None, help="interface to listen on (default 127.0.0.1)"),
+    grpc_port: Optional[int] = typer.Option(None, "--grpc-port", help="router gRPC port (default 50051; 0 = free)"),
+    http_port: Optional[int] = typer.Option(None, "--http-port",
+                                            help="OpenAI HTTP port (default 8000; 0 = free; -1 = off)"),
+    redis_url: Optional[str] = typer.Option(None, "--redis-url", help="add a shared Redis tier"),
+    s3_url: Optional[str] = typer.Option(None, "--s3-url", help="add a shared S3 tier"),
+    data_dir: Optional[str] = typer.Option(None, "--data-dir", help="where disk tiers live (default: a temp dir)"),
+    no_disk: bool = typer.Option(False, "--no-disk", help="host tier only"),
+    transfer: Optional[str] = typer.Option(None, help="KV transfer backend: shm or tcp (default shm)"),
+    policy: Optional[str] = typer.Option(None, help="routing policy: kv_aware, round_robin, least_loaded"),
+    config: Optional[str] = typer.Option(None, "--config", help="YAML file with these options as keys"),
+    log_level: Optional[str] = typer.Option(None, "--log-level", help="workers' log level (default WARNING)"),
+) -> None:
+    """Start a router and its prefill/decode workers; stop them all on Ctrl-C or SIGTERM."""
+    from strata.launcher import LaunchError, LocalLauncher, ServeConfig
+
+    overrides = dict(prefill=prefill, decode=decode, model=model, host=host, grpc_port=grpc_port, http_port=http_port,
+                     redis_url=redis_url, s3_url=s3_url, data_dir=data_dir, transfer=transfer, policy=policy,
+                     log_level=log_level, disk_tier=False if no_disk else None)
+    try:
+        cfg = ServeConfig.from_file(config, **overrides) if config else ServeConfig.from_mapping({}, **overrides)
+    except (ValueError, OSError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    launcher = LocalLauncher(cfg, log=sys.stderr)
+    code = 0
+    try:
+        info = launcher.start()
+        print(banner(info, cfg), flush=True)
+        exited = launcher.wait(stop)
+        if exited is not None:
+            typer.echo(f"error: {exited[0]} exited with code {exited[1]}; stopping the cluster", err=True)
+            code = 1
+    except LaunchError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        code = 1
+    finally:
+        launcher.stop()
+    raise typer.Exit(code)
+

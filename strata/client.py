@@ -1,0 +1,134 @@
+"""A small Python client for the router's gRPC API (`strata.v1.Strata`).
+
+    with StrataClient("127.0.0.1:50051") as client:
+        for chunk in client.stream("def fibonacci(n):", max_tokens=32, seed=7):
+            print(chunk.text_delta, end="")
+        result = client.generate("Hello", max_tokens=8)        # Completion(text, token_ids, finish_reason, usage)
+        client.cache_stats(); client.workers(); client.flush_cache(tier="host")
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import grpc
+
+from strata.v1 import common_pb2, router_pb2, router_pb2_grpc, strata_pb2, strata_pb2_grpc
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+_ROLES = {"prefill": common_pb2.WORKER_ROLE_PREFILL, "decode": common_pb2.WORKER_ROLE_DECODE,
+          "both": common_pb2.WORKER_ROLE_BOTH}
+
+
+def default_address() -> str:
+    """`STRATA_ROUTER` or the embedded default's gRPC port."""
+    return os.environ.get("STRATA_ROUTER", DEFAULT_ADDRESS)
+
+
+@dataclass
+class Completion:
+    """A whole `Generate` stream, gathered."""
+
+    request_id: str = ""
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    usage: common_pb2.Usage | None = None
+    metrics: strata_pb2.RequestMetrics | None = None
+    stop_str: str | None = None
+
+
+def sampling(max_tokens: int | None = None, temperature: float = 0.0, top_p: float | None = None, top_k: int = 0,
+             seed: int | None = None, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
+             ignore_eos: bool = False) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(temperature=temperature, top_k=top_k, stop=list(stop),
+                                    stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
+    if max_tokens is not None:
+        msg.max_tokens = max_tokens
+    if top_p is not None:
+        msg.top_p = top_p
+    if seed is not None:
+        msg.seed = seed
+    return msg
+
+
+class StrataClient:
+    def __init__(self, address: str | None = None, timeout_s: float = 60.0) -> None:
+        self.address = address or default_address()
+        self.timeout_s = timeout_s
+        self._channel = grpc.insecure_channel(self.address)
+        self.stub = strata_pb2_grpc.StrataStub(self._channel)
+        self.registry = router_pb2_grpc.RegistryStub(self._channel)
+
+    # ---- generation -------------------------------------------------------------------------------------------
+
+    def request(self, prompt: str | Sequence[int], *, model: str = "", request_id: str = "", cache_salt: str = "",
+                include_metrics: bool = False, **sampling_kwargs) -> strata_pb2.GenerateRequest:
+        req = strata_pb2.GenerateRequest(model=model, request_id=request_id, cache_salt=cache_salt,
+                                         sampling=sampling(**sampling_kwargs),
+                                         stream_options=strata_pb2.StreamOptions(include_metrics=include_metrics))
+        if isinstance(prompt, str):
+            req.text = prompt
+        else:
+            req.token_ids.ids.extend(prompt)
+        return req
+
+    def stream(self, prompt: str | Sequence[int], timeout_s: float | None = None,
+               **kwargs) -> Iterator[strata_pb2.GenerateResponse]:
+        """The raw chunk stream (cancel it with `.cancel()` on the returned call)."""
+        return self.stub.Generate(self.request(prompt, **kwargs), timeout=timeout_s or self.timeout_s)
+
+    def generate(self, prompt: str | Sequence[int], timeout_s: float | None = None, **kwargs) -> Completion:
+        out = Completion()
+        for chunk in self.stream(prompt, timeout_s, **kwargs):
+            out.request_id = chunk.request_id
+            out.text += chunk.text_delta
+            out.token_ids.extend(chunk.token_ids)
+            if chunk.finish_reason:
+                out.finish_reason = common_pb2.FinishReason.Name(chunk.finish_reason).removeprefix(
+                    "FINISH_REASON_").lower()
+                out.usage = chunk.usage
+                out.metrics = chunk.metrics if chunk.HasField("metrics") else None
+                out.stop_str = chunk.stop_str if chunk.HasField("stop_str") else None
+        return out
+
+    def abort(self, request_id: str) -> None:
+        self.stub.Abort(strata_pb2.AbortRequest(request_id=request_id), timeout=self.timeout_s)
+
+    # ---- operators --------------------------------------------------------------------------------------------
+
+    def models(self) -> list[common_pb2.ModelInfo]:
+        return list(self.stub.ListModels(strata_pb2.ListModelsRequest(), timeout=self.timeout_s).models)
+
+    def workers(self, role: str | None = None, include_dead: bool = False) -> list[common_pb2.WorkerInfo]:
+        req = strata_pb2.ListWorkersRequest(role=_ROLES.get(role or "", 0), include_dead=include_dead)
+        return list(self.stub.ListWorkers(req, timeout=self.timeout_s).workers)
+
+    def cache_stats(self, worker_ids: Sequence[str] = (), tier: str = "") -> list[common_pb2.WorkerCacheStats]:
+        req = strata_pb2.GetCacheStatsRequest(worker_ids=list(worker_ids), tier=tier)
+        return list(self.stub.GetCacheStats(req, timeout=self.timeout_s).workers)
+
+    def evict_cache(self, worker_id: str = "", tier: str = "", block_hashes: Sequence[bytes] = (), num_bytes: int = 0,
+                    demote: bool = False) -> list[common_pb2.CacheAdminResult]:
+        req = common_pb2.EvictCacheRequest(worker_id=worker_id, tier=tier, block_hashes=list(block_hashes),
+                                           bytes=num_bytes, demote=demote)
+        return list(self.stub.EvictCache(req, timeout=self.timeout_s).results)
+
+    def flush_cache(self, worker_id: str = "", tier: str = "") -> list[common_pb2.CacheAdminResult]:
+        req = common_pb2.FlushCacheRequest(worker_id=worker_id, tier=tier)
+        return list(self.stub.FlushCache(req, timeout=self.timeout_s).results)
+
+    def drain(self, worker_id: str) -> common_pb2.WorkerInfo:
+        return self.registry.Drain(router_pb2.DrainRequest(worker_id=worker_id), timeout=self.timeout_s).worker
+
+    # ---- lifetime ---------------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "StrataClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,357 @@
+"""Launchers: start a router and its prefill/decode workers, wait until they serve, stop them all (DESIGN §9).
+
+`LocalLauncher` runs every part as a local process (what `strata serve` does): the router first, then the workers
+in parallel, each with host + disk tiers (and Redis / S3 when given), registering with the router (`--router`) and
+publishing their KV events to it. Every child's output is printed with its name in front; the launcher waits for
+each READY line, then until the router lists every worker READY. `stop()` (Ctrl-C, SIGTERM) ends every child:
+SIGTERM, a grace period, then SIGKILL; children also die with the launcher (Linux PDEATHSIG).
+
+A Ray launcher will implement the same small `Launcher` interface (actors instead of processes).
+
+    with LocalLauncher(ServeConfig(prefill=1, decode=1, grpc_port=0, http_port=0)) as cluster:
+        print(cluster.info.grpc_address, cluster.info.http_url)
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, TextIO
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+WORKER_READY = re.compile(r"^READY (\S+) role=(\w+) worker_id=(\S+)")
+ROUTER_READY = re.compile(r"^READY grpc=(\S+) http=(\S*)")
+_STOP_GRACE_S = 10.0
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """What `strata serve` starts. `data_dir` empty = a temporary folder (disk tiers), removed on stop.
+    `local_prefill_max_tokens`: prompts with at most this many uncached tokens prefill on their decode worker.
+    `register_workers`: workers register with the router and publish KV events to it (`--router`); False = the
+    router probes their addresses instead (`--worker`; no KV events, so no prefix-aware routing)."""
+
+    model: str | None = None
+    prefill: int = 1
+    decode: int = 1
+    host: str = "127.0.0.1"
+    grpc_port: int = 50051
+    http_port: int = 8000
+    transfer: str = "shm"
+    policy: str = "kv_aware"
+    local_prefill_max_tokens: int | None = 64
+    num_blocks: int = 1024
+    host_tier_mib: int = 256
+    handoff_mib: int = 64
+    disk_tier: bool = True
+    data_dir: str = ""
+    redis_url: str = ""
+    s3_url: str = ""
+    worker_args: tuple[str, ...] = ()
+    router_args: tuple[str, ...] = ()
+    log_level: str = "WARNING"
+    ready_timeout_s: float = 300.0
+    register_workers: bool = True
+
+
+    def __post_init__(self) -> None:
+        _require(self.prefill >= 0, f"prefill must be >= 0 workers, got {self.prefill}")
+        _require(self.decode >= 1, f"decode must be >= 1 worker, got {self.decode}")
+        _require(0 <= self.grpc_port <= 65535, f"grpc_port must be in [0, 65535] (0 = free), got {self.grpc_port}")
+        _require(-1 <= self.http_port <= 65535, f"http_port must be in [-1, 65535] (0 = free, -1 = off), "
+                                                f"got {self.http_port}")
+        _require(self.transfer in ("shm", "tcp"), f"transfer must be 'shm' or 'tcp', got {self.transfer!r}")
+        _require(not self.redis_url or self.redis_url.startswith(("redis://", "rediss://", "unix://")),
+                 f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
+        _require(not self.s3_url or self.s3_url.startswith(("s3://", "http://", "https://")),
+                 f"s3_url must start with s3://, http:// or https://, got {self.s3_url!r}")
+        _require(self.ready_timeout_s > 0, f"ready_timeout_s must be > 0, got {self.ready_timeout_s}")
+        object.__setattr__(self, "worker_args", tuple(self.worker_args))
+        object.__setattr__(self, "router_args", tuple(self.router_args))
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], **overrides: Any) -> "ServeConfig":
+        """A config file's keys (dashes or underscores), then `overrides` that are not None."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        merged: dict[str, Any] = {}
+        for key, value in values.items():
+            name = key.replace("-", "_")
+            _require(name in known, f"config key {key!r} is unknown; known keys: {sorted(known)}")
+            merged[name] = value
+        merged.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**merged)
+
+    @classmethod
+    def from_file(cls, path: str | Path, **overrides: Any) -> "ServeConfig":
+        import yaml
+
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        _require(isinstance(data, dict), f"{path}: the config file must hold a mapping of keys to values")
+        return cls.from_mapping(data.get("serve", data), **overrides)
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    name: str
+    role: str          # "router", "prefill", "decode"
+    address: str       # gRPC host:port
+    pid: int
+
+
+@dataclass(frozen=True)
+class ClusterInfo:
+    grpc_address: str
+    http_url: str                       # "" when the HTTP API is off
+    model: str
+    processes: tuple[Endpoint, ...] = field(default_factory=tuple)
+
+
+class LaunchError(RuntimeError):
+    """A part did not start; the message carries the tail of its output."""
+
+
+class Launcher(abc.ABC):
+    """Starts a cluster and stops it. Contract: after `start()` returns, the router answers on `grpc_address`
+    and every worker is registered with it; `stop()` is idempotent and leaves no process behind; `wait()` blocks
+    until a part exits on its own (its name and exit code) or `stop_event` is set (None)."""
+
+    @abc.abstractmethod
+    def start(self) -> ClusterInfo: ...
+
+    @abc.abstractmethod
+    def stop(self) -> None: ...
+
+    @abc.abstractmethod
+    def wait(self, stop_event: threading.Event) -> tuple[str, int] | None: ...
+
+    def __enter__(self) -> "Launcher":
+        self.info = self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+# ----------------------------------------------------------------------------------------------------- local
+
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM when the launcher dies, even by SIGKILL (Linux only)."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+class _Child:
+    """One process: its output pumped line by line to the log with its name in front, READY lines noticed."""
+
+    def __init__(self, name: str, role: str, argv: list[str], log: TextIO, ready: re.Pattern,
+                 env: Mapping[str, str]) -> None:
+        self.name, self.role, self.ready_pattern, self.log = name, role, ready, log
+        self.tail: list[str] = []
+        self.ready_match: re.Match | None = None
+        self._ready = threading.Event()
+        self.proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=dict(env), stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                     preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+        self._pump = threading.Thread(target=self._read, name=f"log-{name}", daemon=True)
+        self._pump.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            line = line.rstrip("\n")
+            self.tail = (self.tail + [line])[-40:]
+            if self.ready_match is None and (m := self.ready_pattern.match(line)):
+                self.ready_match = m
+                self._ready.set()
+            try:
+                self.log.write(f"{self.name:<10}| {line}\n")
+                self.log.flush()
+            except ValueError:  # the log was closed under us at shutdown
+                pass
+        self._ready.set()  # exited: wake the waiter
+
+    def wait_ready(self, timeout_s: float) -> re.Match:
+        if not self._ready.wait(timeout_s) or self.ready_match is None:
+            code = self.proc.poll()
+            why = f"exited with code {code}" if code is not None else f"printed no READY line in {timeout_s:.0f}s"
+            raise LaunchError(f"{self.name} {why}:\n" + "\n".join(self.tail[-20:]))
+        return self.ready_match
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def terminate(self) -> None:
+        if self.alive:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def reap(self, deadline: float) -> None:
+        try:
+            self.proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+        self._pump.join(timeout=2)
+
+
+class LocalLauncher(Launcher):
+    def __init__(self, config: ServeConfig, log: TextIO | None = None,
+                 env: Mapping[str, str] | None = None) -> None:
+        self.config = config
+        self.log = log or sys.stderr
+        environ = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), environ.get("PYTHONPATH")]))
+        self.env = environ
+        self.children: list[_Child] = []
+        self._data_dir: Path | None = None
+        self._owns_data_dir = False
+        self._stopped = False
+
+    # ---- start --------------------------------------------------------------------------------------------------
+
+    def start(self) -> ClusterInfo:
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> ClusterInfo:
+        from strata.paths import resolve_model
+
+        c = self.config
+        model = resolve_model(c.model)
+        self._prepare_data_dir()
+        # NOTE: registering workers need the router's address first; probed ones are named to the router instead.
+        router = self._spawn_router(model, []) if c.register_workers else None
+        router_match = router.wait_ready(c.ready_timeout_s) if router is not None else None
+        router_address = router_match.group(1) if router_match is not None else ""
+        workers = [self._spawn_worker(role, i, model, router_address)
+                   for role, n in (("prefill", c.prefill), ("decode", c.decode)) for i in range(n)]
+        endpoints = []
+        for child in workers:
+            m = child.wait_ready(c.ready_timeout_s)
+            endpoints.append(Endpoint(m.group(3), child.role, m.group(1), child.proc.pid))
+        if router is None:
+            router = self._spawn_router(model, [e.address for e in endpoints])
+            router_match = router.wait_ready(c.ready_timeout_s)
+        grpc_address, http = router_match.group(1), router_match.group(2)
+        info = ClusterInfo(grpc_address, f"http://{http}" if http else "", Path(model).name,
+                           (Endpoint("router", "router", grpc_address, router.proc.pid), *endpoints))
+        self._wait_registered(grpc_address, [e.name for e in endpoints])
+        return info
+
+    def _prepare_data_dir(self) -> None:
+        if self.config.data_dir:
+            self._data_dir = Path(self.config.data_dir)
+            self._data_dir.mkdir(parents=True, exist_ok=True)
+        else:
+            self._data_dir, self._owns_data_dir = Path(tempfile.mkdtemp(prefix="strata-serve-")), True
+
+    def _spawn(self, name: str, role: str, module: str, args: list[str], ready: re.Pattern) -> _Child:
+        child = _Child(name, role, [sys.executable, "-m", module, *args], self.log, ready, self.env)
+        self.children.append(child)
+        self.log.write(f"{'strata':<10}| started {name} (pid {child.proc.pid})\n")
+        return child
+
+    def _spawn_worker(self, role: str, i: int, model: str, router_address: str) -> _Child:
+        c, name = self.config, f"{role}-{i}"
+        args = ["--model", model, "--host", c.host, "--port", "0", "--worker-id", name, "--transfer", c.transfer,
+                "--num-blocks", str(c.num_blocks), "--host-tier-mib", str(c.host_tier_mib),
+                "--handoff-mib", str(c.handoff_mib), "--log-level", c.log_level]
+        if c.disk_tier:
+            assert self._data_dir is not None
+            disk = self._data_dir / name / "disk"
+            disk.mkdir(parents=True, exist_ok=True)
+            args += ["--disk-path", str(disk)]
+        if c.redis_url:
+            args += ["--redis-url", c.redis_url]
+        if c.s3_url:
+            args += ["--s3-url", c.s3_url]
+        if router_address:
+            args += ["--router", router_address]
+        return self._spawn(name, role, f"{role}_worker", args + list(c.worker_args), WORKER_READY)
+
+    def _spawn_router(self, model: str, worker_addresses: list[str]) -> _Child:
+        c = self.config
+        args = ["--model", model, "--host", c.host, "--grpc-port", str(c.grpc_port), "--http-port", str(c.http_port),
+                "--policy", c.policy, "--log-level", "INFO" if c.log_level.upper() in ("DEBUG", "INFO") else "WARNING"]
+        if c.local_prefill_max_tokens is not None:
+            args += ["--local-prefill-max-tokens", str(c.local_prefill_max_tokens)]
+        for address in worker_addresses:
+            args += ["--worker", address]
+        return self._spawn("router", "router", "router", args + list(c.router_args), ROUTER_READY)
+
+    def _wait_registered(self, grpc_address: str, worker_ids: list[str], timeout_s: float = 60.0) -> None:
+        """Until the router lists every worker READY (registered, or found by its probe)."""
+        from strata.client import StrataClient
+        from strata.v1 import common_pb2
+
+        deadline, ready = time.monotonic() + timeout_s, set()
+        with StrataClient(grpc_address, timeout_s=5.0) as client:
+            while not set(worker_ids) <= ready:
+                if time.monotonic() > deadline:
+                    raise LaunchError(f"the router at {grpc_address} lists {sorted(ready)} READY after "
+                                      f"{timeout_s:.0f}s; expected {sorted(worker_ids)}")
+                time.sleep(0.2)
+                try:
+                    ready = {w.id for w in client.workers() if w.state == common_pb2.WORKER_STATE_READY}
+                except Exception:  # noqa: BLE001 - the router may still be binding; the deadline bounds this
+                    pass
+
+    # ---- run and stop -------------------------------------------------------------------------------------------
+
+    def wait(self, stop_event: threading.Event) -> tuple[str, int] | None:
+        while not stop_event.wait(0.5):
+            for child in self.children:
+                code = child.proc.poll()
+                # NOTE: Ctrl-C in a terminal reaches the children too; one may exit before our own handler runs.
+                if code is not None and not stop_event.wait(1.0):
+                    return child.name, code
+        return None
+
+    def stop(self) -> None:
+        """SIGTERM the router first (no new requests), then the workers; SIGKILL whoever outlives the grace."""
+        if self._stopped:
+            return
+        self._stopped = True
+        deadline = time.monotonic() + _STOP_GRACE_S
+        for child in sorted(self.children, key=lambda ch: ch.role != "router"):
+            child.terminate()
+        for child in self.children:
+            child.reap(deadline)
+        if self._owns_data_dir and self._data_dir is not None:
+            shutil.rmtree(self._data_dir, ignore_errors=True)
+        try:
+            self.log.write(f"{'strata':<10}| stopped {len(self.children)} processes\n")
+            self.log.flush()
+        except ValueError:
+            pass
+
+
+LAUNCHERS: dict[str, Callable[..., Launcher]] = {"local": LocalLauncher}
+
+
+def get_launcher(name: str) -> Callable[..., Launcher]:
+    try:
+        return LAUNCHERS[name]
+    except KeyError:
+        raise ValueError(f"launcher must be one of {sorted(LAUNCHERS)}, got {name!r}") from None

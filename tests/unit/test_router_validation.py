@@ -1,0 +1,158 @@
+"""router.validation: every rejection names the field and the allowed range, with the status docs/api.md promises."""
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from router.validation import (ApiError, GenerateParams, ModelLimits, check_prompt, effective_salt, from_chat,
+                               from_completion, from_grpc)
+from strata.v1 import common_pb2, strata_pb2
+
+MODELS = {"tiny": ModelLimits("tiny", max_model_len=64, vocab_size=100)}
+
+
+def make_grpc(text: str | None = "hello", ids: list[int] | None = None, **sampling) -> strata_pb2.GenerateRequest:
+    req = strata_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(**sampling))
+    if ids is not None:
+        req.token_ids.ids.extend(ids)
+    elif text is not None:
+        req.text = text
+    return req
+
+
+def grpc_error(req: strata_pb2.GenerateRequest) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        from_grpc(req, MODELS)
+    return info.value
+
+
+def http_error(body: dict, chat: bool = False) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        if chat:
+            from_chat(body, MODELS, "r1", lambda msgs: "x")
+        else:
+            from_completion(body, MODELS, "r1")
+    return info.value
+
+
+@pytest.mark.parametrize("sampling, field, fragment", [
+    ({"temperature": -1.0}, "sampling.temperature", "[0, 100]"),
+    ({"max_tokens": 0}, "sampling.max_tokens", ">= 1, got 0"),
+    ({"top_p": 2.0}, "sampling.top_p", "(0, 1], got 2.0"),
+    ({"top_p": 0.0}, "sampling.top_p", "(0, 1], got 0.0"),
+    ({"seed": 2**63}, "sampling.seed", "[0, 2**63)"),
+    ({"stop": [""]}, "sampling.stop", "non-empty"),
+])
+def test_grpc_sampling_out_of_range_is_invalid_argument_naming_the_field(sampling, field, fragment):
+    err = grpc_error(make_grpc(**sampling))
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.param == field
+    assert err.message.startswith(field) and fragment in err.message
+
+
+def test_grpc_missing_or_empty_prompt_is_invalid_argument():
+    for req in (make_grpc(text=None), make_grpc(text=""), make_grpc(ids=[])):
+        err = grpc_error(req)
+        assert (err.code, err.param) == (grpc.StatusCode.INVALID_ARGUMENT, "prompt")
+
+
+def test_grpc_unknown_model_is_not_found():
+    req = make_grpc()
+    req.model = "other"
+    err = grpc_error(req)
+    assert (err.code, err.param) == (grpc.StatusCode.NOT_FOUND, "model")
+    assert "'other'" in err.message and "tiny" in err.message
+
+
+def test_grpc_defaults_draw_a_seed_and_leave_max_tokens_unset():
+    params = from_grpc(make_grpc(), MODELS)
+    assert params.model == "tiny" and params.prompt_text == "hello"
+    assert params.sampling.seed is not None and 0 <= params.sampling.seed < 2**63
+    assert params.sampling.temperature == 0.0 and params.sampling.top_p == 1.0
+    assert not params.max_tokens_explicit
+    assert params.request_id  # assigned
+
+
+def test_grpc_explicit_values_pass_through():
+    params = from_grpc(make_grpc(ids=[1, 2, 3], max_tokens=5, temperature=0.5, top_p=0.9, top_k=7, seed=0,
+                                 stop=["\n"]), MODELS)
+    s = params.sampling
+    assert params.prompt_ids == (1, 2, 3)
+    assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed, s.stop) == (5, 0.5, 0.9, 7, 0, ("\n",))
+    assert params.max_tokens_explicit
+
+
+def _params(max_tokens: int, explicit: bool) -> GenerateParams:
+    from engine.sampling_params import SamplingParams
+    return GenerateParams("tiny", "x", None, SamplingParams(max_tokens=max_tokens), explicit, "r")
+
+
+def test_check_prompt_rejects_out_of_vocab_and_too_long():
+    with pytest.raises(ApiError, match=r"prompt.token_ids must be in \[0, 100\), got 100"):
+        check_prompt(_params(4, True), [1, 100], MODELS["tiny"])
+    with pytest.raises(ApiError, match="60 tokens \\+ max_tokens 10 exceed max_model_len 64"):
+        check_prompt(_params(10, True), [1] * 60, MODELS["tiny"])
+    with pytest.raises(ApiError, match="leave no room"):
+        check_prompt(_params(1, False), [1] * 64, MODELS["tiny"])
+
+
+def test_check_prompt_shortens_the_default_max_tokens_to_the_room_left():
+    assert check_prompt(_params(64, False), [1] * 60, MODELS["tiny"]).max_tokens == 4
+    assert check_prompt(_params(3, True), [1] * 60, MODELS["tiny"]).max_tokens == 3
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"prompt": "hi", "temperature": -1}, "temperature"),
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "hi", "top_p": 2}, "top_p"),
+    ({"prompt": "hi", "temperature": "hot"}, "temperature"),
+    ({"prompt": "hi", "max_tokens": 1.5}, "max_tokens"),
+    ({}, "prompt"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": "hi", "n": 2}, "n"),
+    ({"prompt": "hi", "logprobs": 3}, "logprobs"),
+    ({"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "hi", "stop": [""]}, "stop"),
+    ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
+])
+def test_completion_bad_fields_are_rejected_naming_them(body, field):
+    err = http_error({"model": "tiny", **body})
+    assert (err.code, err.param) == (grpc.StatusCode.INVALID_ARGUMENT, field)
+    assert field.split("[")[0] in err.message
+
+
+def test_completion_unknown_model_is_not_found():
+    err = http_error({"model": "gpt-4", "prompt": "hi"})
+    assert (err.code, err.param) == (grpc.StatusCode.NOT_FOUND, "model")
+
+
+def test_completion_accepts_openai_shapes():
+    params, opts = from_completion({"model": "tiny", "prompt": ["hi"], "max_tokens": 3, "stream": True,
+                                    "stream_options": {"include_usage": True}, "seed": 4, "stop": "x"}, MODELS, "r")
+    assert params.prompt_text == "hi" and params.sampling.max_tokens == 3 and params.sampling.stop == ("x",)
+    assert params.sampling.temperature == 1.0  # OpenAI's default
+    assert opts.stream and opts.include_usage
+    params, _ = from_completion({"prompt": [[5, 6]]}, MODELS, "r")  # model omitted: the only one served
+    assert params.prompt_ids == (5, 6) and params.model == "tiny"
+
+
+def test_chat_messages_are_checked_and_rendered():
+    assert http_error({"model": "tiny"}, chat=True).param == "messages"
+    assert http_error({"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}, chat=True).param \
+        == "messages[0].role"
+    assert http_error({"model": "tiny", "messages": [{"role": "user", "content": 3}]}, chat=True).param \
+        == "messages[0].content"
+    seen = []
+    params, opts = from_chat({"model": "tiny", "max_completion_tokens": 2,
+                              "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]},
+                             MODELS, "r", lambda msgs: seen.append(msgs) or "TEMPLATED")
+    assert params.prompt_text == "TEMPLATED" and not params.add_special_tokens
+    assert params.sampling.max_tokens == 2 and opts.chat
+    assert seen == [({"role": "user", "content": "hi"},)]
+
+
+def test_effective_salt_binds_the_salt_to_the_caller():
+    assert effective_salt("", "alice") == ""
+    assert effective_salt("s", "alice") != effective_salt("s", "bob")
+    assert effective_salt("s", "alice") == effective_salt("s", "alice")
