@@ -49,6 +49,7 @@ def time_transformers(model, prompts: list[list[int]], output_len: int) -> tuple
     out = model.generate(
         input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=output_len,
         min_new_tokens=output_len, do_sample=False, pad_token_id=0,
+        repetition_penalty=1.0, temperature=None, top_p=None, top_k=None,  # plain greedy, as on Strata's side
     )
     elapsed = time.perf_counter() - start
     generated = (out.shape[1] - input_ids.shape[1]) * out.shape[0]

@@ -105,7 +105,9 @@ class LLMEngine:
         rows = [i for i, seq in enumerate(step.batch.seqs) if seq.num_logits]
         assert logits.shape[0] == len(rows), "one logits row per sampled sequence (num_logits == 1)"
         requests = [step.requests[i] for i in rows]
-        tokens = self.sampler.sample(logits, [r.params for r in requests], [r.num_output_tokens for r in requests])
+        seen = [(r.prompt_token_ids, r.output_token_ids) if r.params.penalized else None for r in requests]
+        tokens = self.sampler.sample(logits, [r.params for r in requests], [r.num_output_tokens for r in requests],
+                                     seen)
         sampled: list[list[int]] = [[] for _ in step.batch.seqs]
         for i, token_id in zip(rows, tokens):
             sampled[i] = [token_id]

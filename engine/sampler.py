@@ -5,6 +5,9 @@ counter-based generator (splitmix64), by inverse-CDF over the row's filtered dis
 stream's state, so the same request gives the same tokens in any batch, on any worker, after a preemption or a
 failover mid-generation. Requests without a seed take `u` from the engine's RNG. Greedy rows are exactly argmax.
 
+Penalties (repetition, presence, frequency; vLLM's and OpenAI's definitions) rewrite a copy of a penalised row's
+logits from the tokens it has seen before anything else, so greedy rows with a penalty take the argmax of the result.
+
 Each row's arithmetic is independent of the other rows: weights are `exp(x - row max)` (elementwise), the CDF is a
 sequential cumsum, so a row's draw is bit-identical alone or in any batch.
 
@@ -44,10 +47,16 @@ class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self._rng = random.Random(seed)
 
-    def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-               positions: Sequence[int]) -> list[int]:
-        """`logits` [rows, vocab]; `params[i]`, `positions[i]` (the output index being drawn) describe row i."""
+    def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int],
+               seen: Sequence[tuple[Sequence[int], Sequence[int]] | None] | None = None) -> list[int]:
+        """`logits` [rows, vocab]; `params[i]`, `positions[i]` (the output index being drawn) describe row i;
+        `seen[i]` = (prompt ids, output ids) of row i, needed only for rows whose params set a penalty."""
         assert logits.dim() == 2 and logits.shape[0] == len(params) == len(positions)
+        penalized = [i for i, p in enumerate(params) if p.penalized]
+        if penalized:
+            if seen is None:
+                raise ValueError("penalties need the tokens each row has seen (pass `seen`)")
+            logits = apply_penalties(logits, [(i, params[i], seen[i]) for i in penalized])
         random_rows = [i for i, p in enumerate(params) if p.temperature != 0.0]
         if not random_rows:
             return _argmax(logits)
@@ -110,6 +119,27 @@ class Sampler:
                     logits.index_select(0, index), [params[i] for i in short], [positions[i] for i in short], vocab)
         return picked.squeeze(1)
 
+
+
+def apply_penalties(logits: torch.Tensor,
+                    rows: Sequence[tuple[int, SamplingParams, tuple[Sequence[int], Sequence[int]]]]) -> torch.Tensor:
+    """A copy of `logits` with each listed row penalised. Repetition (HF/vLLM): every token in the prompt or the
+    output has a positive logit divided by the penalty and a negative one multiplied by it. Presence / frequency
+    (OpenAI): minus `presence` once and `frequency` per occurrence, over the output tokens only."""
+    out = logits.clone()
+    vocab = logits.shape[1]
+    for i, p, (prompt_ids, output_ids) in rows:
+        row = out[i]
+        if p.repetition_penalty != 1.0:
+            ids = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=row.device)
+            picked = row.index_select(0, ids)
+            row.index_copy_(0, ids, torch.where(picked > 0, picked / p.repetition_penalty,
+                                                picked * p.repetition_penalty))
+        if output_ids and (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0):
+            counts = torch.bincount(torch.tensor(list(output_ids), dtype=torch.long, device=row.device),
+                                    minlength=vocab)[:vocab].to(row.dtype)
+            row.sub_(counts * p.frequency_penalty + (counts > 0).to(row.dtype) * p.presence_penalty)
+    return out
 
 
 _TOP_P_CANDIDATES = 256  # top-p-only rows look here first; a wider nucleus falls back to the whole vocabulary

@@ -10,6 +10,9 @@ class SamplingParams:
     temperature: float = 0.0          # 0 means greedy
     top_k: int = 0                    # 0 means off
     top_p: float = 1.0                # 1 means off
+    repetition_penalty: float = 1.0   # 1 means off; > 1 discourages tokens already in the prompt or the output
+    presence_penalty: float = 0.0     # OpenAI's: minus this once for every token already in the output
+    frequency_penalty: float = 0.0    # OpenAI's: minus this times the token's count in the output
     seed: int | None = None           # per-request seed: the same tokens wherever the request runs
     stop: tuple[str, ...] = ()        # stop strings (not included in the output)
     stop_token_ids: tuple[int, ...] = ()
@@ -25,6 +28,11 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not (0.0 < self.repetition_penalty <= 10.0):
+            raise ValueError(f"repetition_penalty must be in (0, 10] (1 = off), got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not (-2.0 <= getattr(self, name) <= 2.0):
+                raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {getattr(self, name)!r}")
         if self.seed is not None and not (0 <= self.seed < 2**63):
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed!r}")
         if isinstance(self.stop, str):
@@ -37,3 +45,24 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether logits depend on the tokens seen so far (then the sampler needs them)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    # The generation_config.json keys a model may set as its defaults (vLLM's `--generation-config auto`).
+    DEFAULT_KEYS = ("temperature", "top_k", "top_p", "repetition_penalty")
+
+    @classmethod
+    def from_generation_config(cls, generation_config: dict, **overrides) -> "SamplingParams":
+        """The model's own defaults (only the keys above; `do_sample: false` means greedy), then `overrides` on top
+        (a None override keeps the default)."""
+        values = {k: generation_config[k] for k in cls.DEFAULT_KEYS if generation_config.get(k) is not None}
+        if not generation_config.get("do_sample", False):
+            values.pop("temperature", None)
+        max_new = generation_config.get("max_new_tokens")
+        if isinstance(max_new, int) and max_new > 0:
+            values["max_tokens"] = max_new
+        values.update((k, v) for k, v in overrides.items() if v is not None)
+        return cls(**values)

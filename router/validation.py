@@ -96,7 +96,9 @@ def resolve_model(name: str, models: Mapping[str, ModelLimits], param: str = "mo
 
 def build_sampling(prefix: str, *, max_tokens: int | None, temperature: float, top_p: float | None, top_k: int,
                    seed: int | None, stop: Sequence[str], stop_token_ids: Sequence[int], ignore_eos: bool,
-                   include_stop_str_in_output: bool, draw_seed: Callable[[], int] | None = None) -> SamplingParams:
+                   include_stop_str_in_output: bool, draw_seed: Callable[[], int] | None = None,
+                   repetition_penalty: float | None = None, presence_penalty: float = 0.0,
+                   frequency_penalty: float = 0.0) -> SamplingParams:
     """Range checks with the door's field names; an unset seed is drawn here, so a retry on another worker
     continues the same random stream (docs/api.md: "the same tokens on any worker, after a failover too")."""
     if max_tokens is not None and max_tokens < 1:
@@ -108,6 +110,12 @@ def build_sampling(prefix: str, *, max_tokens: int | None, temperature: float, t
         raise invalid(f"{prefix}top_p", f"{prefix}top_p must be in (0, 1], got {top_p}")
     if top_k < 0:
         raise invalid(f"{prefix}top_k", f"{prefix}top_k must be >= 0 (0 = off), got {top_k}")
+    if repetition_penalty is not None and not (math.isfinite(repetition_penalty) and 0.0 < repetition_penalty <= 10):
+        raise invalid(f"{prefix}repetition_penalty",
+                      f"{prefix}repetition_penalty must be in (0, 10] (1 = off), got {repetition_penalty}")
+    for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+        if not (math.isfinite(value) and -2.0 <= value <= 2.0):
+            raise invalid(f"{prefix}{name}", f"{prefix}{name} must be in [-2, 2] (0 = off), got {value}")
     if seed is not None and not 0 <= seed < MAX_SEED:
         raise invalid(f"{prefix}seed", f"{prefix}seed must be in [0, 2**63), got {seed}")
     if any(not isinstance(s, str) or not s for s in stop):
@@ -117,7 +125,9 @@ def build_sampling(prefix: str, *, max_tokens: int | None, temperature: float, t
     return SamplingParams(max_tokens=max_tokens or DEFAULT_MAX_TOKENS, temperature=float(temperature),
                           top_k=top_k, top_p=1.0 if top_p is None else float(top_p), seed=seed, stop=tuple(stop),
                           stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos,
-                          include_stop_str_in_output=include_stop_str_in_output)
+                          include_stop_str_in_output=include_stop_str_in_output,
+                          repetition_penalty=1.0 if repetition_penalty is None else float(repetition_penalty),
+                          presence_penalty=float(presence_penalty), frequency_penalty=float(frequency_penalty))
 
 
 def check_request_id(request_id: str, param: str = "request_id") -> str:
@@ -175,7 +185,9 @@ def from_grpc(request: Any, models: Mapping[str, ModelLimits]) -> GenerateParams
         "sampling.", max_tokens=s.max_tokens if s.HasField("max_tokens") else None, temperature=s.temperature,
         top_p=s.top_p if s.HasField("top_p") else None, top_k=s.top_k, seed=s.seed if s.HasField("seed") else None,
         stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
-        include_stop_str_in_output=s.include_stop_str_in_output, draw_seed=draw_seed)
+        include_stop_str_in_output=s.include_stop_str_in_output, draw_seed=draw_seed,
+        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else None,
+        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty)
     opts = request.stream_options
     return GenerateParams(
         model=model.id, prompt_text=request.text if kind == "text" else None,
@@ -225,10 +237,6 @@ def _unsupported(body: Mapping[str, Any]) -> None:
         value = body.get(key)
         if value is not None and value != 1:
             raise invalid(key, f"{key} must be 1 (one choice per request is supported), got {value!r}")
-    for key in ("presence_penalty", "frequency_penalty"):
-        value = body.get(key)
-        if value not in (None, 0, 0.0):
-            raise invalid(key, f"{key} must be 0 (penalties are not supported yet), got {value!r}")
     if body.get("logit_bias"):
         raise invalid("logit_bias", "logit_bias is not supported yet; omit it")
     if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
@@ -260,7 +268,9 @@ def _openai_sampling(body: Mapping[str, Any], max_tokens_keys: Sequence[str]) ->
         seed=_integer(body, "seed", None), stop=_stop(body), stop_token_ids=stop_token_ids,
         ignore_eos=bool(_typed(body, "ignore_eos", (bool,), "a boolean", False)),
         include_stop_str_in_output=bool(_typed(body, "include_stop_str_in_output", (bool,), "a boolean", False)),
-        draw_seed=draw_seed)
+        draw_seed=draw_seed, repetition_penalty=_number(body, "repetition_penalty", None),
+        presence_penalty=_number(body, "presence_penalty", 0.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0))
     return sampling, explicit
 
 

@@ -29,23 +29,28 @@ def _mount() -> None:
 def generate(
     prompt: str = typer.Argument(..., help="the prompt text"),
     model: Optional[str] = typer.Option(None, help="model folder (default: the bundled strata-moe-tiny)"),
-    max_tokens: int = typer.Option(128, "--max-tokens", help="tokens to generate at most"),
-    temperature: float = typer.Option(0.0, help="0 = greedy"),
-    top_k: int = typer.Option(0, "--top-k", help="0 = off"),
-    top_p: float = typer.Option(1.0, "--top-p", help="1 = off"),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="tokens to generate at most"),
+    temperature: Optional[float] = typer.Option(None, help="0 = greedy"),
+    top_k: Optional[int] = typer.Option(None, "--top-k", help="0 = off"),
+    top_p: Optional[float] = typer.Option(None, "--top-p", help="1 = off"),
+    repetition_penalty: Optional[float] = typer.Option(None, "--repetition-penalty", help="1 = off"),
+    presence_penalty: Optional[float] = typer.Option(None, "--presence-penalty", help="0 = off"),
+    frequency_penalty: Optional[float] = typer.Option(None, "--frequency-penalty", help="0 = off"),
     seed: Optional[int] = typer.Option(None, help="per-request sampling seed"),
     stop: list[str] = typer.Option([], help="stop string (repeatable)"),
     device: str = typer.Option("cpu", help="cpu, cuda or cuda:N"),
     dtype: str = typer.Option("float32", help="float32, bfloat16 or float16"),
 ) -> None:
-    """Generate a continuation of PROMPT, streaming it to stdout."""
-    from engine.sampling_params import SamplingParams
+    """Generate a continuation of PROMPT, streaming it to stdout. Sampling options left out take the model's
+    generation_config.json defaults (greedy where it sets none)."""
     from strata.llm import LLM
 
     try:
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                seed=seed, stop=tuple(stop))
         llm = LLM(model, device=device, dtype=dtype)
+        params = llm.default_sampling_params(
+            max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+            repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty, seed=seed, stop=tuple(stop))
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)

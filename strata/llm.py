@@ -69,16 +69,23 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
+    def default_sampling_params(self, **overrides) -> SamplingParams:
+        """The model's generation_config.json defaults (temperature, top_k, top_p, repetition_penalty,
+        max_new_tokens) under `overrides`, as vLLM's `--generation-config auto` does."""
+        return SamplingParams.from_generation_config(self.engine.runner.generation_config or {}, **overrides)
+
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Run every prompt to completion in one continuous batch; final outputs in prompt order."""
+        """Run every prompt to completion in one continuous batch; final outputs in prompt order. Without
+        `params`, the model's own defaults (`default_sampling_params()`)."""
         if isinstance(prompts, str):
             prompts = [prompts]
-        return self.engine.generate(list(prompts), params)
+        return self.engine.generate(list(prompts), params or self.default_sampling_params())
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield each step's output of one request as it is produced (text deltas in `.new_text`)."""
         request_id = f"stream-{next(self._ids)}"
+        params = params or self.default_sampling_params()
         self.engine.add_request(request_id, prompt if isinstance(prompt, str) else list(prompt), params)
         try:
             while self.engine.has_unfinished():

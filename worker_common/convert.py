@@ -26,10 +26,14 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         raise InvalidArgument("sampling.max_tokens must be >= 1, got 0")
     if msg.HasField("top_p") and not 0.0 < msg.top_p <= 1.0:
         raise InvalidArgument(f"sampling.top_p must be in (0, 1], got {msg.top_p}")
+    if msg.HasField("repetition_penalty") and not 0.0 < msg.repetition_penalty <= 10.0:
+        raise InvalidArgument(f"sampling.repetition_penalty must be in (0, 10], got {msg.repetition_penalty}")
     try:
         return SamplingParams(
             max_tokens=max_tokens, temperature=msg.temperature, top_k=msg.top_k,
             top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+            repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+            presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
             seed=msg.seed if msg.HasField("seed") else None, stop=tuple(msg.stop),
             stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
             include_stop_str_in_output=msg.include_stop_str_in_output)
@@ -41,7 +45,11 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
     msg = common_pb2.SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature,
                                     top_k=params.top_k, top_p=params.top_p, stop=list(params.stop),
                                     stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
-                                    include_stop_str_in_output=params.include_stop_str_in_output)
+                                    include_stop_str_in_output=params.include_stop_str_in_output,
+                                    presence_penalty=params.presence_penalty,
+                                    frequency_penalty=params.frequency_penalty)
+    if params.repetition_penalty != 1.0:
+        msg.repetition_penalty = params.repetition_penalty
     if params.seed is not None:
         msg.seed = params.seed
     return msg

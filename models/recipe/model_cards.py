@@ -37,17 +37,26 @@ def samples(path: Path) -> dict[str, str]:
     ids = tok(PROMPT, return_tensors="pt").input_ids
     out = {}
     with torch.inference_mode():
-        greedy = model.generate(ids, max_new_tokens=96, do_sample=False)
+        greedy = model.generate(ids, max_new_tokens=96, do_sample=False, repetition_penalty=1.0, temperature=None,
+                                top_p=None, top_k=None)
         torch.manual_seed(0)
-        sampled = model.generate(ids, max_new_tokens=96, do_sample=True, temperature=0.8, top_p=0.95, top_k=0)
+        sampled = model.generate(ids, max_new_tokens=96)  # the model's generation_config.json defaults
     out["greedy"] = tok.decode(greedy[0], skip_special_tokens=False)
     out["sampled"] = tok.decode(sampled[0], skip_special_tokens=False)
     return out
 
 
-def sample_section(s: dict[str, str]) -> str:
+def defaults_text(path: Path) -> str:
+    config = json.loads((path / "generation_config.json").read_text())
+    if not config.get("do_sample"):
+        return "greedy"
+    return ", ".join(f"{k}={config[k]}" for k in ("temperature", "top_p", "top_k", "repetition_penalty") if k in config)
+
+
+def sample_section(s: dict[str, str], path: Path) -> str:
     return (f"Prompt `{PROMPT}`, 96 new tokens, greedy:\n\n```python\n{s['greedy']}\n```\n\n"
-            f"Same prompt, `temperature=0.8, top_p=0.95`, `torch.manual_seed(0)`:\n\n```python\n{s['sampled']}\n```\n")
+            f"Same prompt, the defaults of `generation_config.json` ({defaults_text(path)}), "
+            f"`torch.manual_seed(0)`:\n\n```python\n{s['sampled']}\n```\n")
 
 
 def rope_theta(cfg: dict) -> float:
@@ -137,7 +146,7 @@ Held-out loss during training (fixed subset of {a['eval_windows']} windows):
 
 ## Samples
 
-{sample_section(s)}
+{sample_section(s, TARGET)}
 ## Intended use
 
 Strata's embedded default (`strata serve` with no model argument), tests, benchmarks and demos of the serving
@@ -147,7 +156,9 @@ stack: prefix caching, tiered KV storage, MoE expert routing and (with `strata-d
 ## Limitations
 
 - It knows only the style of the Python standard library; its code looks plausible and is usually wrong.
-- Under greedy decoding it repeats itself (lines and blocks loop); sample with temperature for variety.
+- Under plain greedy decoding it repeats itself (lines and blocks loop). Its `generation_config.json` therefore
+  sets sampling defaults ({defaults_text(TARGET)}), which `strata generate` and `LLM()` apply to options left
+  unset, as vLLM does with `--generation-config auto`.
 - It was never trained on chat data: the ChatML template exists so chat endpoints work, not so it can chat.
 - Trained on {a['seq_len']}-token windows; quality falls off past that length even though RoPE accepts 2048.
 - Perplexities are on held-out stdlib files, which share authors and idioms with the train split.
@@ -191,7 +202,7 @@ head_dim {cfg['head_dim']}, vocabulary {cfg['vocab_size']} with tied embeddings,
 
 ## Samples
 
-{sample_section(s)}
+{sample_section(s, DRAFT)}
 ## Intended use and limitations
 
 Draft model for Strata's speculative-decoding path and its tests, paired with `strata-moe-tiny` only. On its own

@@ -95,6 +95,21 @@ def test_same_seed_same_tokens(client):
     assert a.token_ids == b.token_ids and a.text == b.text
 
 
+def test_penalties_travel_to_the_workers_and_match_the_engine_in_process(client):
+    """Repetition / presence / frequency penalties cross the router and the P->D hand-off unchanged: the cluster's
+    tokens equal one in-process engine's with the same settings (greedy, so nothing else can differ)."""
+    from engine.sampling_params import SamplingParams
+    from strata.llm import LLM
+
+    prompt = fresh(LONG_PROMPT)
+    kwargs = dict(max_tokens=16, ignore_eos=True, repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.3)
+    remote = client.generate(prompt, **kwargs)
+    local = LLM(bundled_model(), num_blocks=64).generate([prompt], SamplingParams(**kwargs))[0]
+    assert remote.token_ids == local.token_ids
+    plain = client.generate(prompt, max_tokens=16, ignore_eos=True)
+    assert plain.token_ids != remote.token_ids, "the penalties changed nothing"
+
+
 def test_concurrent_requests_all_complete_with_their_own_ids(client):
     """Eight streams at once, half disaggregated and half local, through one router and two workers."""
     from concurrent.futures import ThreadPoolExecutor
@@ -149,6 +164,8 @@ def test_deadline_exceeded_is_reported_and_the_worker_stops(client, cluster):
     (dict(temperature=-1.0), "sampling.temperature"),
     (dict(max_tokens=0), "sampling.max_tokens"),
     (dict(top_p=2.0), "sampling.top_p"),
+    (dict(repetition_penalty=0.0), "sampling.repetition_penalty"),
+    (dict(frequency_penalty=3.0), "sampling.frequency_penalty"),
 ])
 def test_bad_sampling_is_invalid_argument_naming_the_field(client, sampling, field):
     with pytest.raises(grpc.RpcError) as info:

@@ -46,10 +46,32 @@ def test_greedy_32_tokens_match_transformers(tiny_checkpoint, arch):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_repetition_penalty_greedy_matches_transformers(tiny_checkpoint, arch):
+    """The penalty over prompt + output tokens is transformers' RepetitionPenaltyLogitsProcessor, token for token."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    ckpt = tiny_checkpoint(arch)
+    llm = LLM(str(ckpt.path), num_blocks=128, block_size=4)
+    prompts = make_prompts(3, seed=5)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=24, repetition_penalty=1.8, ignore_eos=True))
+    penalty = RepetitionPenaltyLogitsProcessor(1.8)
+    for prompt, out in zip(prompts, outs):
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            for _ in range(24):
+                logits = penalty(ids, ckpt.hf_model(ids).logits[:, -1])
+                ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], dim=1)
+        assert out.token_ids == ids[0, len(prompt):].tolist()
+    plain = llm.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+    assert any(a.token_ids != b.token_ids for a, b in zip(outs, plain)), "the penalty changed nothing"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
 def test_batched_equals_one_at_a_time(tiny_checkpoint, arch):
     ckpt = tiny_checkpoint(arch)
     prompts = make_prompts(12, seed=11)
-    params = [GREEDY_32 if i % 2 else SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, seed=i)
+    params = [GREEDY_32 if i % 2 else SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, seed=i,
+                                                     repetition_penalty=1.3 if i % 4 == 0 else 1.0)
               for i in range(len(prompts))]
     batched = LLM(str(ckpt.path), num_blocks=256, block_size=4, max_num_batched_tokens=64)
     together = batched.generate(prompts, params)

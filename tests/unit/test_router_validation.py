@@ -112,7 +112,9 @@ def test_check_prompt_shortens_the_default_max_tokens_to_the_room_left():
     ({"prompt": ["a", "b"]}, "prompt"),
     ({"prompt": "hi", "n": 2}, "n"),
     ({"prompt": "hi", "logprobs": 3}, "logprobs"),
-    ({"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
+    ({"prompt": "hi", "frequency_penalty": "x"}, "frequency_penalty"),
+    ({"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
     ({"prompt": "hi", "stop": [""]}, "stop"),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
 ])
@@ -132,6 +134,10 @@ def test_completion_accepts_openai_shapes():
                                     "stream_options": {"include_usage": True}, "seed": 4, "stop": "x"}, MODELS, "r")
     assert params.prompt_text == "hi" and params.sampling.max_tokens == 3 and params.sampling.stop == ("x",)
     assert params.sampling.temperature == 1.0  # OpenAI's default
+    penalized, _ = from_completion({"model": "tiny", "prompt": "hi", "presence_penalty": 0.5, "frequency_penalty": -1,
+                                    "repetition_penalty": 1.2}, MODELS, "r")
+    s = penalized.sampling
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (0.5, -1.0, 1.2)
     assert opts.stream and opts.include_usage
     params, _ = from_completion({"prompt": [[5, 6]]}, MODELS, "r")  # model omitted: the only one served
     assert params.prompt_ids == (5, 6) and params.model == "tiny"

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
-from engine.sampler import Sampler, seeded_uniform
+from engine.sampler import Sampler, apply_penalties, seeded_uniform
 from engine.sampling_params import SamplingParams
 
 VOCAB = 50
@@ -125,3 +126,37 @@ def test_wide_nucleus_falls_back_to_the_whole_vocabulary():
     mixed = Sampler().sample(torch.cat([logits, logits]), [params[7], SamplingParams(temperature=1.0, top_k=600)],
                              [0, 0])
     assert mixed[0] == tokens[7]
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_seen_logits():
+    logits = torch.tensor([[2.0, -1.0, 3.0, 0.5]])
+    p = SamplingParams(repetition_penalty=2.0)
+    out = apply_penalties(logits, [(0, p, ([0], [1]))])
+    assert out.tolist() == [[1.0, -2.0, 3.0, 0.5]]
+    assert logits.tolist() == [[2.0, -1.0, 3.0, 0.5]], "the caller's logits are not modified"
+    # greedy with the penalty picks the argmax of the penalised row: token 2 (3.0) beats token 0 (now 1.0)
+    assert Sampler().sample(torch.tensor([[4.0, 0.0, 3.0, 0.0]]), [p], [1], [([0], [1])]) == [2]
+
+
+def test_presence_and_frequency_penalties_count_output_tokens_only():
+    logits = torch.zeros(1, 5)
+    p = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    out = apply_penalties(logits, [(0, p, ([4, 4, 4], [1, 1, 3]))])
+    assert out.tolist() == [[0.0, -1.0, 0.0, -0.75, 0.0]]
+
+
+def test_penalties_need_the_seen_tokens_and_are_validated():
+    with pytest.raises(ValueError, match="seen"):
+        Sampler().sample(torch.zeros(1, 4), [SamplingParams(repetition_penalty=1.1)], [0])
+    for field, value in [("repetition_penalty", 0.0), ("presence_penalty", 2.5), ("frequency_penalty", -3.0)]:
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**{field: value})
+
+
+def test_generation_config_gives_defaults_and_explicit_options_win():
+    config = {"do_sample": True, "temperature": 0.3, "top_p": 0.9, "repetition_penalty": 1.3, "max_new_tokens": 50}
+    p = SamplingParams.from_generation_config(config, top_p=None, seed=3)
+    assert (p.temperature, p.top_p, p.repetition_penalty, p.max_tokens, p.seed) == (0.3, 0.9, 1.3, 50, 3)
+    assert SamplingParams.from_generation_config(config, temperature=0.0).greedy
+    assert SamplingParams.from_generation_config({**config, "do_sample": False}).greedy
+    assert SamplingParams.from_generation_config({}) == SamplingParams()
