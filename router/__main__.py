@@ -11,9 +11,11 @@ import logging
 import socket
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Sequence
 
+from router.cache_metrics import ask_workers
 from router.cost_model import CostModelConfig
 from router.dispatch import DispatchConfig, Dispatcher
 from router.served_model import ServedModel, cost_config_for
@@ -25,6 +27,7 @@ from router.service import RegistryService, StrataService, WorkerProbe, add_serv
 from strata.paths import resolve_model
 
 log = logging.getLogger("router")
+_SCRAPE_TIMEOUT_S = 1.0  # a worker slower than this is left out of one /metrics scrape
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -95,6 +98,9 @@ def build_router(args: argparse.Namespace) -> Router:
     dispatcher = Dispatcher({model.id: model}, registry, index, get_policy(args.policy), {model.id: cost},
                             DispatchConfig(args.max_attempts, args.request_timeout_s,
                                            decode_s_per_token=args.decode_s_per_token), metrics, args.max_inflight)
+    scrape_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="metrics-scrape")
+    metrics.enable_cache_metrics(lambda: ask_workers(((v.record.id, v.record.address) for v in registry.workers()),
+                                                     dispatcher.channels.stub, scrape_pool, _SCRAPE_TIMEOUT_S))
     probe = WorkerProbe(args.worker, registry, dispatcher, model)
     return Router(registry, index, feed, dispatcher, metrics, probe,
                   StrataService(dispatcher, registry, allow_admin=not args.no_admin), RegistryService(registry, feed))

@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from router.cache_metrics import CacheTierCollector, Snapshot
 from router.dispatch import Dispatcher
 from router.events_feed import EventsFeed
 from router.request_run import RequestRun
@@ -82,6 +83,10 @@ class RouterMetrics:
             self.prompt_tokens.inc(usage.prompt_tokens)
             self.completion_tokens.inc(usage.completion_tokens)
             self.cached_tokens.inc(usage.cached_tokens)
+
+    def enable_cache_metrics(self, snapshot: Callable[[], Snapshot]) -> None:
+        """Add every worker's per-tier cache counters (`strata_cache_*{worker, tier}`), asked at scrape time."""
+        self.registry.register(CacheTierCollector(snapshot))
 
     def render(self, dispatcher: Dispatcher, registry: WorkerRegistry, feed: EventsFeed | None = None) -> bytes:
         self.inflight.set(dispatcher.num_inflight())
@@ -187,7 +192,9 @@ def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: Router
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return Response(metrics.render(dispatcher, registry, feed), media_type=CONTENT_TYPE_LATEST)
+        # NOTE: off the event loop: rendering asks the workers for their cache stats (bounded by a timeout).
+        body = await anyio.to_thread.run_sync(metrics.render, dispatcher, registry, feed)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
