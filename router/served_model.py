@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import NamedTuple, Sequence
 
 from engine.loader import load_checkpoint
+from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from kvstore.hashing import Namespace
 from router.cost_model import CostModelConfig
@@ -36,6 +37,7 @@ class ServedModel:
     vocab_size: int
     kv_bytes_per_token: int
     chat_stop_token_ids: tuple[int, ...] = ()
+    sampling_defaults: tuple[tuple[str, float], ...] = ()
 
     @classmethod
     def load(cls, path: str, dtype: str = "float32", block_size: int = 16, max_model_len: int = 2048,
@@ -52,11 +54,11 @@ class ServedModel:
         chat_stops = (im_end,) if im_end is not None and "<|im_end|>" in (tokenizer.chat_template or "") else ()
         kv_bytes = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * _DTYPE_BYTES.get(dtype, 4)
         return cls(model_id or Path(path).name, path, tokenizer, namespace, block_size, max_model_len,
-                   spec.vocab_size, kv_bytes, chat_stops)
+                   spec.vocab_size, kv_bytes, chat_stops, sampling_defaults(ckpt.generation_config or {}))
 
     @property
     def limits(self) -> ModelLimits:
-        return ModelLimits(self.id, self.max_model_len, self.vocab_size)
+        return ModelLimits(self.id, self.max_model_len, self.vocab_size, self.sampling_defaults)
 
     def info(self) -> common_pb2.ModelInfo:
         ns = self.namespace
@@ -75,6 +77,16 @@ class ServedModel:
             return list(params.prompt_ids)
         return self.tokenizer.encode(params.prompt_text or "", add_special_tokens=params.add_special_tokens)
 
+
+
+def sampling_defaults(generation_config: dict) -> tuple[tuple[str, float], ...]:
+    """The sampling options a checkpoint's generation_config.json sets, read as the engine reads them
+    (`SamplingParams.from_generation_config`: a temperature under `do_sample: false` is not a default)."""
+    params = SamplingParams.from_generation_config(generation_config)
+    given = [name for name in SamplingParams.DEFAULT_KEYS if generation_config.get(name) is not None]
+    if not generation_config.get("do_sample", False):
+        given = [name for name in given if name != "temperature"]
+    return tuple((name, getattr(params, name)) for name in given)
 
 
 def cost_config_for(model: ServedModel, base: CostModelConfig) -> CostModelConfig:

@@ -48,6 +48,9 @@ class ModelLimits:
     id: str
     max_model_len: int
     vocab_size: int
+    # The checkpoint's generation_config.json sampling defaults ((name, value) pairs: temperature, top_k, top_p,
+    # repetition_penalty), used by the OpenAI door for options a request leaves out, as vLLM does.
+    sampling_defaults: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -250,7 +253,8 @@ def _unsupported(body: Mapping[str, Any]) -> None:
         raise invalid("suffix", "suffix is not supported; omit it")
 
 
-def _openai_sampling(body: Mapping[str, Any], max_tokens_keys: Sequence[str]) -> tuple[SamplingParams, bool]:
+def _openai_sampling(body: Mapping[str, Any], max_tokens_keys: Sequence[str],
+                     defaults: Mapping[str, float]) -> tuple[SamplingParams, bool]:
     max_tokens, explicit = None, False
     for key in max_tokens_keys:
         value = _integer(body, key, None)
@@ -263,12 +267,14 @@ def _openai_sampling(body: Mapping[str, Any], max_tokens_keys: Sequence[str]) ->
     if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in stop_token_ids):
         raise invalid("stop_token_ids", f"stop_token_ids must be non-negative integers, got {stop_token_ids!r}")
     sampling = build_sampling(
-        "", max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0),
-        top_p=_number(body, "top_p", None), top_k=_integer(body, "top_k", 0) if body.get("top_k") != -1 else 0,
+        "", max_tokens=max_tokens, temperature=_number(body, "temperature", defaults.get("temperature", 1.0)),
+        top_p=_number(body, "top_p", defaults.get("top_p")),
+        top_k=_integer(body, "top_k", int(defaults.get("top_k", 0))) if body.get("top_k") != -1 else 0,
         seed=_integer(body, "seed", None), stop=_stop(body), stop_token_ids=stop_token_ids,
         ignore_eos=bool(_typed(body, "ignore_eos", (bool,), "a boolean", False)),
         include_stop_str_in_output=bool(_typed(body, "include_stop_str_in_output", (bool,), "a boolean", False)),
-        draw_seed=draw_seed, repetition_penalty=_number(body, "repetition_penalty", None),
+        draw_seed=draw_seed,
+        repetition_penalty=_number(body, "repetition_penalty", defaults.get("repetition_penalty")),
         presence_penalty=_number(body, "presence_penalty", 0.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0))
     return sampling, explicit
@@ -287,8 +293,10 @@ def _common(body: Mapping[str, Any], models: Mapping[str, ModelLimits], request_
         raise invalid("body", "the request body must be a JSON object")
     model = _typed(body, "model", (str,), "a string", "")
     _unsupported(body)
-    sampling, explicit = _openai_sampling(body, ("max_tokens", "max_completion_tokens"))
-    return dict(model=resolve_model(model, models).id, sampling=sampling, max_tokens_explicit=explicit,
+    limits = resolve_model(model, models)
+    sampling, explicit = _openai_sampling(body, ("max_tokens", "max_completion_tokens"),
+                                          dict(limits.sampling_defaults))
+    return dict(model=limits.id, sampling=sampling, max_tokens_explicit=explicit,
                 request_id=request_id, cache_salt=_typed(body, "cache_salt", (str,), "a string", ""))
 
 

@@ -51,6 +51,18 @@ def test_chat_whole_and_streamed_give_the_same_message(client):
     assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
 
 
+def test_options_left_out_take_the_models_generation_config_defaults(client):
+    """As vLLM's OpenAI server does: the bundled model's generation_config.json (temperature 0.3, top_p 0.9,
+    repetition_penalty 1.3) fills what the request leaves out, so these two requests sample identically."""
+    implicit = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, seed=5)
+    explicit = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, seed=5, temperature=0.3,
+                                         top_p=0.9, extra_body={"repetition_penalty": 1.3})
+    assert implicit.choices[0].text == explicit.choices[0].text
+    openai_default = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, seed=5, temperature=1.0,
+                                               top_p=1.0, extra_body={"repetition_penalty": 1.0})
+    assert openai_default.choices[0].text != implicit.choices[0].text, "the defaults changed nothing"
+
+
 def test_models_lists_the_bundled_model(client):
     assert [m.id for m in client.models.list().data] == [MODEL]
 

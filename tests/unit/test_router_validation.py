@@ -162,3 +162,24 @@ def test_effective_salt_binds_the_salt_to_the_caller():
     assert effective_salt("", "alice") == ""
     assert effective_salt("s", "alice") != effective_salt("s", "bob")
     assert effective_salt("s", "alice") == effective_salt("s", "alice")
+
+
+def test_openai_door_takes_the_models_generation_config_defaults_under_explicit_options():
+    models = {"m": ModelLimits("m", 64, 100, (("temperature", 0.3), ("top_p", 0.9), ("repetition_penalty", 1.3)))}
+    plain, _ = from_completion({"model": "m", "prompt": "hi"}, models, "r")
+    s = plain.sampling
+    assert (s.temperature, s.top_p, s.repetition_penalty) == (0.3, 0.9, 1.3)
+    explicit, _ = from_completion({"model": "m", "prompt": "hi", "temperature": 0, "top_p": 1,
+                                   "repetition_penalty": 1}, models, "r")
+    s = explicit.sampling
+    assert (s.temperature, s.top_p, s.repetition_penalty) == (0.0, 1.0, 1.0)
+
+
+def test_generation_config_sampling_defaults_are_read_like_the_engine():
+    from router.served_model import sampling_defaults
+
+    assert sampling_defaults({"do_sample": True, "temperature": 0.3, "top_p": 0.9, "max_new_tokens": 9}) == (
+        ("temperature", 0.3), ("top_p", 0.9))
+    assert sampling_defaults({"do_sample": False, "temperature": 0.7, "repetition_penalty": 1.1}) == (
+        ("repetition_penalty", 1.1),)
+    assert sampling_defaults({}) == ()
