@@ -164,19 +164,22 @@ class ShmAgent(TransferAgent):
     # ---- reader -----------------------------------------------------------------------------------------------
     def read(self, descs: Sequence[Descriptor], dst_bufs: Sequence[Any], deadline_s: float) -> ReadResult:
         # NOTE: the hot path of same-host KV pulls: one fused validation loop, then one memcpy per descriptor.
-        start = time.perf_counter()
+        start = time.perf_counter()  # NOTE: perf_counter is monotonic: it also times the deadline (one clock call)
         if deadline_s is None or not deadline_s >= 0:
             raise ValueError(f"deadline_s must be a number of seconds >= 0, got {deadline_s!r}")
-        deadline_at = time.monotonic() + deadline_s
         if len(dst_bufs) != len(descs):
             raise ValueError(f"{len(descs)} descriptors but {len(dst_bufs)} destination buffers")
         plan, leases = self._plan(descs, dst_bufs)
-        nbytes = 0
-        for dst, src, offset, length in plan:
-            dst[:length] = src[offset:offset + length]  # one memcpy, shm -> caller's buffer
-            nbytes += length
-            if time.monotonic() > deadline_at:
-                raise TransferTimeout(f"deadline passed after copying {nbytes} of the batch's bytes")
+        if len(plan) == 1:  # one block: after its single copy there is nothing left for a deadline to stop
+            dst, src, offset, nbytes = plan[0]
+            dst[:nbytes] = src[offset:offset + nbytes]
+        else:
+            deadline_at, nbytes = start + deadline_s, 0
+            for dst, src, offset, length in plan:
+                dst[:length] = src[offset:offset + length]  # one memcpy, shm -> caller's buffer
+                nbytes += length
+                if time.perf_counter() > deadline_at:
+                    raise TransferTimeout(f"deadline passed after copying {nbytes} of the batch's bytes")
         if leases:
             self._recheck_leases(leases)
         # NOTE: tuple.__new__ skips NamedTuple's Python-level constructor (~1 us on a busy 2-core box)
