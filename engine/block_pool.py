@@ -104,6 +104,24 @@ class BlockPool:
         refs = self.ref_counts
         return sum(1 for b in block_ids if refs[b] == 0)
 
+    def cached_free_blocks(self) -> list[int]:
+        """Blocks that hold a cached prefix but no request uses, least recently used first."""
+        return list(self._lru)
+
+    def evict_cached(self, block_ids: Iterable[int]) -> list[bytes]:
+        """Free the given cached-free blocks now (an operator's evict): their hashes leave the prefix cache (the
+        `on_block_removed` hook fires) and they join the free list. Blocks in use or not cached are skipped.
+        Returns the hashes evicted."""
+        evicted = []
+        for block_id in block_ids:
+            if self.ref_counts[block_id] != 0 or block_id not in self._lru:
+                continue
+            evicted.append(self.block_hashes[block_id])
+            del self._lru[block_id]
+            self._evict(block_id)
+            self._free.append(block_id)
+        return evicted
+
     def _evict(self, block_id: int) -> None:
         block_hash = self.block_hashes[block_id]
         assert block_hash is not None

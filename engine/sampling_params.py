@@ -1,7 +1,7 @@
 """Per-request sampling settings, validated on construction (errors name the field and the allowed range)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ computed, so a demoted device block counts as demoted when host holds it, else a
 from __future__ import annotations
 
 import logging
-from typing import Callable, Sequence
+from typing import Callable
 
 from engine.block_pool import BlockPool
 from kvstore.hashing import HASH_BYTES
@@ -39,31 +39,6 @@ DEVICE = "device"
 
 
 # ---- the device tier (engine thread only) ------------------------------------------------------------------------
-
-def evict_cached_blocks(pool: BlockPool, block_ids: Sequence[int]) -> list[bytes]:
-    """Turn cached-free blocks into free ones (their hashes leave the prefix index); blocks in use are skipped.
-    Returns the hashes evicted.
-
-    NOTE: `BlockPool` has no public targeted eviction and `engine/` is not the worker's to change, so this does
-    what `BlockPool.allocate()` does to its oldest cached block: out of the LRU, `_evict` (which counts it and calls
-    the `on_block_removed` hook), into the free list. The pool's integrity check must hold afterwards.
-    """
-    lru = pool._lru  # noqa: SLF001 - see the note
-    evicted = []
-    for block_id in block_ids:
-        if pool.ref_counts[block_id] != 0 or block_id not in lru:
-            continue
-        evicted.append(pool.block_hashes[block_id])
-        del lru[block_id]
-        pool._evict(block_id)  # noqa: SLF001
-        pool._free.append(block_id)  # noqa: SLF001
-    return evicted
-
-
-def cached_free_blocks(pool: BlockPool) -> list[int]:
-    """Cached-free blocks, least recently used first."""
-    return list(pool._lru)  # noqa: SLF001 - see evict_cached_blocks
-
 
 # ---- the admin ---------------------------------------------------------------------------------------------------
 
@@ -132,11 +107,11 @@ class CacheAdmin:
         if hashes:
             return [b for b in (pool.lookup(h) for h in hashes) if b is not None]
         wanted = -(-nbytes // self.block_bytes)
-        return cached_free_blocks(pool)[:wanted]
+        return pool.cached_free_blocks()[:wanted]
 
     def _flush_tier(self, tier: str, announce: bool) -> common_pb2.CacheAdminResult:
         if tier == DEVICE:
-            return self._on_device(cached_free_blocks, demoting=False)
+            return self._on_device(BlockPool.cached_free_blocks, demoting=False)
         store_tier = self.store.tier(tier)
         before = store_tier.stats()
         keys = store_tier.keys_lru_order() if hasattr(store_tier, "keys_lru_order") else None
@@ -153,7 +128,7 @@ class CacheAdmin:
         """Evict on the engine thread (the pool's hook publishes the device's BlockRemoved)."""
         def run() -> list[bytes]:
             pool = self.loop.engine.block_manager.pool
-            evicted = evict_cached_blocks(pool, victims(pool))
+            evicted = pool.evict_cached(victims(pool))
             if self.loop.events is not None:
                 self.loop.events.flush()  # NOTE: now, so the device's BlockRemoved precede what the caller publishes
             return evicted

@@ -13,7 +13,7 @@ from kvstore import codec
 from kvstore.config import DiskTierConfig, HostTierConfig, StoreConfig
 from kvstore.hashing import Namespace, hash_blocks
 from kvstore.store import TieredStore
-from kvstore.tiers.base import Tier, TierUnavailable
+from kvstore.tiers.base import Tier
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.host import HostTier
 

@@ -9,14 +9,12 @@ import time
 import grpc
 import pytest
 
-from engine.block_pool import BlockPool
 from engine.model_runner import ModelRunner
 from kvstore.events import AllBlocksCleared, BlockRemoved, ZmqEventSubscriber
 from kvstore.hashing import hash_blocks
 from strata.config import CacheConfig, ModelConfig
 from strata.llm import kv_namespace
 from strata.v1 import common_pb2, worker_pb2
-from worker_common.cache_admin import cached_free_blocks, evict_cached_blocks
 from worker_common.cache_stats import latency_quantile_ms
 from worker_common.launch import WorkerProcess
 
@@ -99,28 +97,6 @@ def wait_for(condition, timeout_s: float = 10.0) -> None:
 
 def removed(events: list, medium: str) -> set[bytes]:
     return {h for e in events if isinstance(e, BlockRemoved) and e.medium == medium for h in e.block_hashes}
-
-
-def make_pool(removed: list[bytes]) -> BlockPool:
-    """6 blocks: 0, 1 used and hashed; 2, 3 cached-free (2 older); 4, 5 free."""
-    pool = BlockPool(6, removed.append)
-    ids = [pool.allocate() for _ in range(4)]
-    for block_id in ids:
-        pool.register(block_id, bytes([block_id]) * 16)
-    pool.release([2, 3])
-    return pool
-
-
-def test_device_eviction_frees_only_cached_blocks_and_keeps_the_pool_consistent():
-    removed: list[bytes] = []
-    pool = make_pool(removed)
-    assert cached_free_blocks(pool) == [2, 3]
-    assert evict_cached_blocks(pool, [0, 3, 5]) == [bytes([3]) * 16]     # 0 is in use, 5 holds nothing
-    assert removed == [bytes([3]) * 16] and pool.lookup(bytes([3]) * 16) is None
-    pool.check_integrity()
-    assert evict_cached_blocks(pool, cached_free_blocks(pool)) == [bytes([2]) * 16]
-    assert (pool.num_free_blocks, pool.num_cached_free_blocks, pool.num_used_blocks) == (4, 0, 2)
-    pool.check_integrity()
 
 
 def test_latency_quantiles_are_bucket_upper_bounds_in_ms():

@@ -4,6 +4,7 @@ from __future__ import annotations
 from hypothesis import given, settings, strategies as st
 
 from engine.block_manager import BlockManager, FullBlock, PrefixMatch
+from engine.block_pool import BlockPool
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from kvstore.hashing import Namespace, hash_block, hash_blocks
@@ -217,3 +218,25 @@ def test_integrity_holds_under_random_operations(ops):
         bm.free(r)
     bm.check_integrity()
     assert bm.num_free_blocks == 10
+
+
+def make_pool(removed: list[bytes]) -> BlockPool:
+    """6 blocks: 0, 1 used and hashed; 2, 3 cached-free (2 older); 4, 5 free."""
+    pool = BlockPool(6, removed.append)
+    ids = [pool.allocate() for _ in range(4)]
+    for block_id in ids:
+        pool.register(block_id, bytes([block_id]) * 16)
+    pool.release([2, 3])
+    return pool
+
+
+def test_device_eviction_frees_only_cached_blocks_and_keeps_the_pool_consistent():
+    removed: list[bytes] = []
+    pool = make_pool(removed)
+    assert pool.cached_free_blocks() == [2, 3]
+    assert pool.evict_cached([0, 3, 5]) == [bytes([3]) * 16]     # 0 is in use, 5 holds nothing
+    assert removed == [bytes([3]) * 16] and pool.lookup(bytes([3]) * 16) is None
+    pool.check_integrity()
+    assert pool.evict_cached(pool.cached_free_blocks()) == [bytes([2]) * 16]
+    assert (pool.num_free_blocks, pool.num_cached_free_blocks, pool.num_used_blocks) == (4, 0, 2)
+    pool.check_integrity()
