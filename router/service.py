@@ -206,14 +206,15 @@ class RegistryService(router_pb2_grpc.RegistryServicer):
                                                  heartbeat_timeout_ms=cfg.heartbeat_timeout_ms)
 
     def Heartbeat(self, request: router_pb2.HeartbeatRequest, context):
+        published = request.kv_event_batches_published
+        last_seq = published - 1 if published else None
         try:
-            state = self.registry.heartbeat(request.worker_id, load_from_proto(request.load),
-                                            request.last_kv_event_seq if request.last_kv_event_seq else None)
+            state = self.registry.heartbeat(request.worker_id, load_from_proto(request.load), last_seq)
         except UnknownWorker:
             context.abort(grpc.StatusCode.NOT_FOUND, f"worker_id {request.worker_id!r} is not registered (or was "
                                                      f"declared dead): register again")
-        if self.feed is not None and request.last_kv_event_seq:
-            self.feed.note_published_seq(request.worker_id, request.last_kv_event_seq)
+        if self.feed is not None and last_seq is not None:
+            self.feed.note_published_seq(request.worker_id, last_seq)
         return router_pb2.HeartbeatResponse(state=_STATE_PROTO[state])
 
     def Drain(self, request: router_pb2.DrainRequest, context):

@@ -80,9 +80,9 @@ class WorkerEvents:
         return (self.publisher.replay_endpoint or "") if self.publisher else ""
 
     @property
-    def last_seq(self) -> int:
-        """Sequence number of the last batch published; 0 before the first (HeartbeatRequest.last_kv_event_seq)."""
-        return max(0, self.publisher.next_seq - 1) if self.publisher else 0
+    def num_published(self) -> int:
+        """Batches published so far, the next one's sequence number (HeartbeatRequest.kv_event_batches_published)."""
+        return self.publisher.next_seq if self.publisher else 0
 
     def removed(self, medium: str, hashes: Sequence[bytes]) -> None:
         if hashes:

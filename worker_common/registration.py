@@ -34,9 +34,9 @@ class RouterLink:
     `_CALL_TIMEOUT_S` each) and is idempotent. Counters are for tests and logs."""
 
     def __init__(self, address: str, info: Callable[[], common_pb2.WorkerInfo],
-                 load: Callable[[], common_pb2.WorkerLoad], last_seq: Callable[[], int], heartbeat_s: float,
+                 load: Callable[[], common_pb2.WorkerLoad], num_published: Callable[[], int], heartbeat_s: float,
                  on_drain: Callable[[], None], idle: Callable[[], bool]) -> None:
-        self.address, self._info, self._load, self._last_seq = address, info, load, last_seq
+        self.address, self._info, self._load, self._num_published = address, info, load, num_published
         self.heartbeat_s, self._on_drain, self._idle = heartbeat_s, on_drain, idle
         self._channel = grpc.insecure_channel(address)
         self._stub = router_pb2_grpc.RegistryStub(self._channel)
@@ -88,7 +88,8 @@ class RouterLink:
 
     def _beat(self) -> None:
         answer = self._stub.Heartbeat(router_pb2.HeartbeatRequest(
-            worker_id=self.worker_id, load=self._load(), last_kv_event_seq=self._last_seq()), timeout=_CALL_TIMEOUT_S)
+            worker_id=self.worker_id, load=self._load(), kv_event_batches_published=self._num_published()),
+            timeout=_CALL_TIMEOUT_S)
         self.num_heartbeats += 1
         if answer.state == common_pb2.WORKER_STATE_DRAINING and not self.draining:
             log.info("router %s drains this worker", self.address)

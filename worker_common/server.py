@@ -146,7 +146,7 @@ class WorkerBase(worker_pb2_grpc.WorkerServicer):
     def start_router_link(self) -> None:
         if not self.config.router_address:
             return
-        self.router_link = RouterLink(self.config.router_address, self.info, self.load, lambda: self.events.last_seq,
+        self.router_link = RouterLink(self.config.router_address, self.info, self.load, lambda: self.events.num_published,
                                       self.config.heartbeat_s, self._drained_by_router, self._idle)
         self.router_link.start()
 

@@ -23,14 +23,14 @@ class RegisterWorkerResponse(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ..., heartbeat_timeout_ms: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "load", "last_kv_event_seq")
+    __slots__ = ("worker_id", "load", "kv_event_batches_published")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
-    LAST_KV_EVENT_SEQ_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENT_BATCHES_PUBLISHED_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     load: _common_pb2.WorkerLoad
-    last_kv_event_seq: int
-    def __init__(self, worker_id: _Optional[str] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., last_kv_event_seq: _Optional[int] = ...) -> None: ...
+    kv_event_batches_published: int
+    def __init__(self, worker_id: _Optional[str] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., kv_event_batches_published: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("state",)

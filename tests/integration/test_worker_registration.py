@@ -147,10 +147,9 @@ def test_worker_registers_its_whole_description_and_heartbeats_its_load(model_pa
         prompt = list(range(3, 3 + 2 * BLOCK_SIZE + 1))
         worker.stub().Prefill(worker_pb2.PrefillRequest(request_id="r1", token_ids=prompt,
                                                         sampling=common_pb2.SamplingParams(max_tokens=4)), timeout=60)
-        # NOTE: device then host events: at least seq 1 (sequence numbers start at 0, which the field cannot tell
-        # from "none yet")
-        wait_for(lambda: registry.named("Heartbeat")[-1].last_kv_event_seq > 0, timeout_s=5,
-                 what="a heartbeat naming the last KV-event sequence number")
+        # The prefill published its blocks' BlockStored (device, then host): heartbeats now count those batches.
+        wait_for(lambda: registry.named("Heartbeat")[-1].kv_event_batches_published > 0, timeout_s=5,
+                 what="a heartbeat counting the KV-event batches published")
 
         registry.forget("prefill-reg")  # as a restarted router would: the next heartbeat is NOT_FOUND
         wait_for(lambda: len(registry.named("RegisterWorker")) == 2, timeout_s=5, what="registering again")

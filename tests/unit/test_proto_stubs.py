@@ -238,8 +238,8 @@ def test_cache_stats_and_worker_info_round_trip():
     assert round_trip(strata_pb2.ListWorkersResponse(workers=[info])).workers[0] == info
     register = round_trip(router_pb2.RegisterWorkerRequest(worker=info))
     assert register.worker.model.kv.block_size == 16
-    beat = round_trip(router_pb2.HeartbeatRequest(worker_id="decode-0", load=info.load, last_kv_event_seq=2**40))
-    assert beat.last_kv_event_seq == 2**40
+    beat = round_trip(router_pb2.HeartbeatRequest(worker_id="decode-0", load=info.load, kv_event_batches_published=2**40))
+    assert beat.kv_event_batches_published == 2**40
 
 
 def test_cache_admin_messages_round_trip():
