@@ -15,7 +15,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Sequence
 
-from router.cache_metrics import ask_workers
 from router.cost_model import CostModelConfig
 from router.dispatch import DispatchConfig, Dispatcher
 from router.served_model import ServedModel, cost_config_for
@@ -24,6 +23,7 @@ from router.openai_api import RouterMetrics, create_app
 from router.policy import POLICIES, get_policy
 from router.registry import RegistryConfig, WorkerRegistry
 from router.service import RegistryService, StrataService, WorkerProbe, add_services, make_grpc_server
+from strata.cache_metrics import ask_workers
 from strata.paths import resolve_model
 
 log = logging.getLogger("router")

@@ -21,12 +21,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from router.cache_metrics import CacheTierCollector, Snapshot
 from router.dispatch import Dispatcher
 from router.events_feed import EventsFeed
 from router.request_run import RequestRun
 from router.registry import WorkerRegistry
 from router.validation import ApiError, GenerateParams, OpenAIOptions, from_chat, from_completion
+from strata.cache_metrics import CacheTierCollector, Snapshot
 from strata.v1 import common_pb2
 
 _HTTP_STATUS = {

@@ -276,7 +276,8 @@ class LocalLauncher(Launcher):
         c, name = self.config, f"{role}-{i}"
         args = ["--model", model, "--host", c.host, "--port", "0", "--worker-id", name, "--transfer", c.transfer,
                 "--num-blocks", str(c.num_blocks), "--host-tier-mib", str(c.host_tier_mib),
-                "--handoff-mib", str(c.handoff_mib), "--log-level", c.log_level]
+                "--handoff-mib", str(c.handoff_mib), "--log-level", c.log_level,
+                "--metrics-port", "0"]  # each worker's own /metrics, named on its READY line in the log
         if c.disk_tier:
             assert self._data_dir is not None
             disk = self._data_dir / name / "disk"

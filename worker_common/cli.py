@@ -43,6 +43,8 @@ def parse_config(role: str, argv: Sequence[str] | None = None) -> WorkerConfig:
     p.add_argument("--heartbeat-s", type=float, default=d.heartbeat_s,
                    help="seconds between heartbeats (the router's shorter interval wins)")
     p.add_argument("--model-id", default="", help="model name to register under (default: the folder's name)")
+    p.add_argument("--metrics-port", type=int, default=d.metrics_port,
+                   help="Prometheus /metrics over HTTP (0 = a free port, printed on READY; -1 = none)")
     p.add_argument("--log-level", default="WARNING")
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s {role} %(levelname)s %(name)s: "
@@ -56,4 +58,4 @@ def parse_config(role: str, argv: Sequence[str] | None = None) -> WorkerConfig:
         disk_path=args.disk_path, redis_url=args.redis_url, s3_url=args.s3_url,
         kv_events_endpoint=args.kv_events_endpoint, kv_replay_endpoint=args.kv_replay_endpoint,
         router_address=args.router, advertise_host=args.advertise_host, heartbeat_s=args.heartbeat_s,
-        model_id=args.model_id)
+        model_id=args.model_id, metrics_port=args.metrics_port)

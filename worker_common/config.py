@@ -28,6 +28,8 @@ class WorkerConfig:
       a wildcard bind host (0.0.0.0) in the addresses it registers (default: `host`, else the machine's name).
     - `model_id`: the model name the worker registers under; empty = the checkpoint folder's name (the router's
       default too).
+    - `metrics_port`: Prometheus `/metrics` over HTTP on `host` (its tiers and load); 0 = a free port (printed on
+      READY), -1 = none.
     """
 
     role: str
@@ -56,12 +58,15 @@ class WorkerConfig:
     heartbeat_s: float = 2.0
     model_id: str = ""
     grpc_threads: int = 128
+    metrics_port: int = -1
 
     def __post_init__(self) -> None:
         _require(self.role in ROLES, f"role must be one of {ROLES}, got {self.role!r}")
         _require(self.transfer in TRANSFER_BACKENDS,
                  f"transfer must be one of {TRANSFER_BACKENDS}, got {self.transfer!r}")
         _require(0 <= self.port <= 65535, f"port must be in [0, 65535] (0 = a free port), got {self.port}")
+        _require(-1 <= self.metrics_port <= 65535,
+                 f"metrics_port must be in [-1, 65535] (0 = a free port, -1 = none), got {self.metrics_port}")
         _require(self.lease_ttl_s > 0, f"lease_ttl_s must be > 0 seconds, got {self.lease_ttl_s}")
         _require(self.transfer_deadline_s > 0,
                  f"transfer_deadline_s must be > 0 seconds, got {self.transfer_deadline_s}")

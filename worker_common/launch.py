@@ -22,7 +22,7 @@ from strata.v1 import worker_pb2_grpc
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 READY = re.compile(r"^READY (\S+) role=(\w+) worker_id=(\S+) transfer=(\w+)(?: agent=(\S+))?"
-                   r"(?: events=(\S*))?(?: replay=(\S*))?")
+                   r"(?: events=(\S*))?(?: replay=(\S*))?(?: metrics=(\S*))?")
 
 
 class WorkerStartError(RuntimeError):
@@ -44,6 +44,7 @@ class WorkerProcess:
         threading.Thread(target=self._pump, daemon=True).start()
         self.address = self.worker_id = self.agent_address = ""
         self.events_endpoint = self.replay_endpoint = ""     # the worker's KV-event PUB and replay sockets
+        self.metrics_url = ""                                 # its /metrics, when started with --metrics-port
         self._channel: grpc.Channel | None = None
         self._ready_timeout_s = ready_timeout_s
         if wait:
@@ -51,8 +52,8 @@ class WorkerProcess:
 
     def wait_ready(self) -> WorkerProcess:
         if not self.address:
-            (self.address, self.worker_id, self.agent_address, self.events_endpoint,
-             self.replay_endpoint) = self._wait_ready(self._ready_timeout_s)
+            (self.address, self.worker_id, self.agent_address, self.events_endpoint, self.replay_endpoint,
+             self.metrics_url) = self._wait_ready(self._ready_timeout_s)
         return self
 
     def _pump(self) -> None:
@@ -60,7 +61,7 @@ class WorkerProcess:
             self._lines.put(line)
         self._lines.put(None)
 
-    def _wait_ready(self, timeout_s: float) -> tuple[str, str, str, str, str]:
+    def _wait_ready(self, timeout_s: float) -> tuple[str, str, str, str, str, str]:
         # NOTE: the timeout is per line; a worker prints only its READY line on stdout.
         try:
             while True:
@@ -70,7 +71,7 @@ class WorkerProcess:
                 match = READY.match(line)
                 if match:
                     return (match.group(1), match.group(3), match.group(5) or "", match.group(6) or "",
-                            match.group(7) or "")
+                            match.group(7) or "", match.group(8) or "")
         except queue.Empty:
             self.kill()
             raise WorkerStartError(f"{self.role} worker printed no READY line in {timeout_s}s:\n"

@@ -20,7 +20,9 @@ from typing import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry, start_http_server
 
+from strata.cache_metrics import CacheTierCollector, LoadCollector
 from strata.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from worker_common.cache_admin import CacheAdmin
 from worker_common.cache_stats import cache_stats
@@ -55,6 +57,7 @@ class WorkerBase(worker_pb2_grpc.WorkerServicer):
         self.loop = EngineLoop(self.bundle, name=f"{config.role}-engine", events=device)
         self.admin = CacheAdmin(self.worker_id, self.loop, self.store, self.events)
         self.router_link: RouterLink | None = None
+        self.metrics_server = None             # the /metrics HTTP server (config.metrics_port >= 0)
         self.address = ""                      # host:port once serving
         self._inflight: dict[str, Tracked] = {}
         self._inflight_lock = threading.Lock()
@@ -105,6 +108,16 @@ class WorkerBase(worker_pb2_grpc.WorkerServicer):
     def Stats(self, request, context) -> worker_pb2.StatsResponse:
         cache = cache_stats(self.worker_id, self.bundle, self.store, int(time.time() * 1000))
         return worker_pb2.StatsResponse(worker_id=self.worker_id, load=self.load(), cache=cache)
+
+    def start_metrics(self) -> str:
+        """Serve `/metrics` (this worker's tiers as `strata_cache_*{worker, tier}`, its load as
+        `strata_worker_*{worker}`) on a daemon thread; the URL."""
+        registry = CollectorRegistry()
+        registry.register(CacheTierCollector(lambda: [(self.worker_id, cache_stats(
+            self.worker_id, self.bundle, self.store, int(time.time() * 1000)))]))
+        registry.register(LoadCollector(self.worker_id, self.load))
+        self.metrics_server, _ = start_http_server(self.config.metrics_port, addr=self.config.host, registry=registry)
+        return f"http://{self.config.host}:{self.metrics_server.server_port}/metrics"
 
     def load(self) -> common_pb2.WorkerLoad:
         """The engine loop's latest snapshot (worker_common.load documents each figure) and the pool's usage."""
@@ -160,6 +173,8 @@ class WorkerBase(worker_pb2_grpc.WorkerServicer):
     def close(self) -> None:
         if self.router_link is not None:
             self.router_link.stop()
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
         self.loop.stop()
         self.store.close()
         self.events.close()
@@ -179,8 +194,9 @@ def serve(service: WorkerBase, extra_ready: str = "") -> grpc.Server:
     server.start()
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     events = f"events={service.events.endpoint} replay={service.events.replay_endpoint}"
+    metrics = f" metrics={service.start_metrics()}" if config.metrics_port >= 0 else ""
     print(f"READY {service.address} role={config.role} worker_id={service.worker_id} transfer={config.transfer}"
-          f"{' ' + extra_ready if extra_ready else ''} {events}", flush=True)
+          f"{' ' + extra_ready if extra_ready else ''} {events}{metrics}", flush=True)
     service.start_router_link()
     return server
 

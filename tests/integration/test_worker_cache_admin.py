@@ -45,7 +45,8 @@ def fingerprint(model_path) -> bytes:
 def worker(model_path, tmp_path_factory):
     disk = tmp_path_factory.mktemp("disk-tier")
     args = ["--model", model_path, "--transfer", "shm", "--worker-id", WORKER_ID, "--num-blocks", str(NUM_BLOCKS),
-            "--block-size", str(BLOCK_SIZE), "--handoff-mib", "8", "--host-tier-mib", "8", "--disk-path", str(disk)]
+            "--block-size", str(BLOCK_SIZE), "--handoff-mib", "8", "--host-tier-mib", "8", "--disk-path", str(disk),
+            "--metrics-port", "0"]
     with WorkerProcess("prefill", args) as w:
         yield w
 
@@ -121,6 +122,24 @@ def test_stats_report_tiers_fastest_first_and_load(worker):
 
 
 @pytest.mark.timeout(300)
+def test_metrics_endpoint_shows_the_same_tiers_and_the_load(worker):
+    """The worker's own Prometheus /metrics (--metrics-port 0: a free port, named on the READY line)."""
+    import httpx
+
+    assert worker.metrics_url.startswith("http://127.0.0.1:") and worker.metrics_url.endswith("/metrics")
+    prefill(worker, "metrics-1", make_prompt(7))
+    text = httpx.get(worker.metrics_url, timeout=10).text
+    stats = {t.tier: t for t in worker.stub().Stats(worker_pb2.StatsRequest(), timeout=10).cache.tiers}
+    scraped = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line and not line.startswith("#")}
+    for tier in ("device", "host", "disk"):
+        key = f'strata_cache_capacity_bytes{{tier="{tier}",worker="{WORKER_ID}"}}'
+        assert scraped[key] == stats[tier].capacity_bytes > 0, key
+    assert f'strata_cache_blocks{{tier="host",worker="{WORKER_ID}"}}' in text
+    assert f'strata_worker_running{{worker="{WORKER_ID}"}}' in text
+    assert f'strata_worker_kv_usage{{worker="{WORKER_ID}"}}' in text
+
+
 def test_repeated_prompt_hits_the_device_tier(worker, fingerprint):
     prompt = make_prompt(1)
     before = tiers(worker)["device"]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from router.cache_metrics import CacheTierCollector
+from strata.cache_metrics import CacheTierCollector
 from strata.v1 import common_pb2
 
 

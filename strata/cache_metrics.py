@@ -1,7 +1,7 @@
-"""Per-worker, per-tier KV-cache metrics on the router's `/metrics`, asked of the workers at scrape time.
+"""Per-worker, per-tier KV-cache metrics for Prometheus (`strata_cache_*{worker, tier}`), built at scrape time.
 
-One scrape of the router shows every tier of every worker (`strata_cache_*{worker, tier}`), so Prometheus needs one
-target per cluster, not one per worker. The numbers are the same `CacheTierStats` that `strata cache stats` prints:
+The router's `/metrics` asks every worker (`ask_workers`), so Prometheus needs one target per cluster; each worker's
+own `/metrics` (`--metrics-port`) shows its tiers alone, plus its load. The numbers are the same `CacheTierStats` that `strata cache stats` prints:
 monotonic counters as Prometheus counters (`_total`), the rest as gauges. A worker that does not answer within the
 timeout is left out of that scrape and counted in `strata_cache_scrape_errors_total{worker}`.
 """
@@ -43,6 +43,23 @@ def ask_workers(addresses: Iterable[tuple[str, str]], stub_for: Callable[[str], 
         except grpc.RpcError:
             return worker_id, None
     return list(pool.map(one, list(addresses)))
+
+
+class LoadCollector:
+    """A worker's load (`strata_worker_*{worker}`: running, waiting, KV usage, ...); `load()` once per scrape."""
+
+    def __init__(self, worker_id: str, load: Callable[[], "common_pb2.WorkerLoad"]) -> None:
+        self._worker_id, self._load = worker_id, load
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        load = self._load()
+        for field in load.DESCRIPTOR.fields:
+            family = GaugeMetricFamily(f"strata_worker_{field.name}", f"WorkerLoad.{field.name}", labels=["worker"])
+            family.add_metric([self._worker_id], float(getattr(load, field.name)))
+            yield family
 
 
 class CacheTierCollector:
