@@ -32,6 +32,9 @@ from prepare_data import REPO_ROOT, load_tokens
 EOT_ID = 0  # <|endoftext|>, see train_tokenizer.SPECIAL_TOKENS
 
 
+SAMPLING_DEFAULTS = dict(do_sample=True, temperature=0.3, top_p=0.9, top_k=0, repetition_penalty=1.3)
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=REPO_ROOT / "models" / "strata-moe-tiny")
@@ -139,8 +142,10 @@ def save_checkpoint(model: torch.nn.Module, out: Path) -> None:
     """bfloat16 safetensors: half the bytes of fp32, and what the engine serves anyway."""
     # NOTE: a bf16 copy (not a hand-made state dict) so save_pretrained drops the tied lm_head and records the dtype.
     copy.deepcopy(model).to(torch.bfloat16).save_pretrained(out)
-    GenerationConfig(eos_token_id=EOT_ID, pad_token_id=EOT_ID, bos_token_id=EOT_ID,
-                     do_sample=False, max_new_tokens=128).save_pretrained(out)
+    # Sampling defaults (applied by Strata and vLLM to options a request leaves out): greedy decoding of a model
+    # this small loops, a mild temperature with a repetition penalty reads like Python (model card, "Samples").
+    GenerationConfig(eos_token_id=EOT_ID, pad_token_id=EOT_ID, bos_token_id=EOT_ID, max_new_tokens=128,
+                     **SAMPLING_DEFAULTS).save_pretrained(out)
 
 
 def plot_curve(curve: dict, out: Path) -> None:
