@@ -22,6 +22,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, start_http_server
 
+from kvstore.metrics import register_store_metrics
 from strata.cache_metrics import CacheTierCollector, LoadCollector
 from strata.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from worker_common.cache_admin import CacheAdmin
@@ -110,9 +111,11 @@ class WorkerBase(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.StatsResponse(worker_id=self.worker_id, load=self.load(), cache=cache)
 
     def start_metrics(self) -> str:
-        """Serve `/metrics` (this worker's tiers as `strata_cache_*{worker, tier}`, its load as
-        `strata_worker_*{worker}`) on a daemon thread; the URL."""
+        """Serve `/metrics` on a daemon thread: this worker's tiers as `strata_cache_*{worker, tier}` (the figures of
+        `strata cache stats`, device included), its store's latency histograms and counters as
+        `strata_kvstore_*{tier}` (`kvstore.metrics`), its load as `strata_worker_*{worker}`. Returns the URL."""
         registry = CollectorRegistry()
+        register_store_metrics(self.store, registry)
         registry.register(CacheTierCollector(lambda: [(self.worker_id, cache_stats(
             self.worker_id, self.bundle, self.store, int(time.time() * 1000)))]))
         registry.register(LoadCollector(self.worker_id, self.load))

@@ -138,6 +138,7 @@ def test_metrics_endpoint_shows_the_same_tiers_and_the_load(worker):
     assert f'strata_cache_blocks{{tier="host",worker="{WORKER_ID}"}}' in text
     assert f'strata_worker_running{{worker="{WORKER_ID}"}}' in text
     assert f'strata_worker_kv_usage{{worker="{WORKER_ID}"}}' in text
+    assert 'strata_kvstore_get_latency_seconds_bucket{le="+Inf",tier="host"}' in text  # the store's histograms
 
 
 def test_repeated_prompt_hits_the_device_tier(worker, fingerprint):
