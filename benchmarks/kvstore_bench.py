@@ -19,7 +19,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Callable
+from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -49,7 +49,10 @@ def timed(fn: Callable[[], None]) -> float:
 
 
 class Bench:
-    """One tier's put/get against its baseline. Subclasses fill the four operations and `reset` between rounds."""
+    """One tier's put/get against its baseline. Subclasses set `self.tier`, the two `base_*` operations and `reset`
+    between rounds; `put` / `get` / `close` are the tier's, one block per call."""
+
+    tier: Any
 
     def __init__(self, hashes: list[bytes], blocks: list[bytes]) -> None:
         self.hashes, self.blocks = hashes, blocks
@@ -78,8 +81,16 @@ class Bench:
             out[f"base_{op}_GBps"] = statistics.median(rates[f"base_{op}"]) / 1e9
         return out
 
+    def put(self) -> None:
+        for h, b in zip(self.hashes, self.blocks):
+            self.tier.put([(h, b)])
+
+    def get(self) -> None:
+        for h, buf in zip(self.hashes, self.bufs):
+            self.tier.get([h], [buf])
+
     def close(self) -> None:
-        pass
+        self.tier.close()
 
 
 class HostBench(Bench):
@@ -101,10 +112,6 @@ class HostBench(Bench):
         for h, b in zip(self.hashes, self.src):
             self.tier.put([(h, b)])
 
-    def get(self) -> None:
-        for h, buf in zip(self.hashes, self.bufs):
-            self.tier.get([h], [buf])
-
     def base_put(self) -> None:
         for d, b in zip(self.dst, self.src):
             d[:len(b)] = b
@@ -112,9 +119,6 @@ class HostBench(Bench):
     def base_get(self) -> None:
         for d, buf in zip(self.dst, self.bufs):
             buf[:] = d[:len(buf)]
-
-    def close(self) -> None:
-        self.tier.close()
 
 
 class StoreBench(HostBench):
@@ -165,14 +169,6 @@ class DiskBench(Bench):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(p)
 
-    def put(self) -> None:
-        for h, b in zip(self.hashes, self.blocks):
-            self.tier.put([(h, b)])
-
-    def get(self) -> None:
-        for h, buf in zip(self.hashes, self.bufs):
-            self.tier.get([h], [buf])
-
     def base_put(self) -> None:
         for p, b in zip(self.paths, self.blocks):
             with open(p, "wb", buffering=0) as f:
@@ -182,9 +178,6 @@ class DiskBench(Bench):
         for p, buf in zip(self.paths, self.bufs):
             with open(p, "rb", buffering=0) as f:
                 f.readinto(buf)
-
-    def close(self) -> None:
-        self.tier.close()
 
 
 class RedisBench(Bench):
@@ -199,14 +192,6 @@ class RedisBench(Bench):
     def reset(self) -> None:
         self.tier.clear()
         self.client.delete(*self.raw_keys)
-
-    def put(self) -> None:
-        for h, b in zip(self.hashes, self.blocks):
-            self.tier.put([(h, b)])
-
-    def get(self) -> None:
-        for h, buf in zip(self.hashes, self.bufs):
-            self.tier.get([h], [buf])
 
     def base_put(self) -> None:
         for k, b in zip(self.raw_keys, self.blocks):
@@ -241,14 +226,6 @@ class S3Bench(Bench):
         for k in self.raw_keys:
             self.client.delete_object(Bucket="bench-raw", Key=k)
 
-    def put(self) -> None:
-        for h, b in zip(self.hashes, self.blocks):
-            self.tier.put([(h, b)])
-
-    def get(self) -> None:
-        for h, buf in zip(self.hashes, self.bufs):
-            self.tier.get([h], [buf])
-
     def base_put(self) -> None:
         for k, b in zip(self.raw_keys, self.blocks):
             self.client.put_object(Bucket="bench-raw", Key=k, Body=b)
@@ -256,9 +233,6 @@ class S3Bench(Bench):
     def base_get(self) -> None:
         for k in self.raw_keys:
             self.client.get_object(Bucket="bench-raw", Key=k)["Body"].read()
-
-    def close(self) -> None:
-        self.tier.close()
 
 
 def block_count(size: int, quick: bool, tier: str) -> int:

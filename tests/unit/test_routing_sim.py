@@ -14,6 +14,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _load_sim():
+    sys.path.insert(0, str(REPO / "benchmarks"))  # as when run as a script: `mooncake_trace` sits beside it
     spec = importlib.util.spec_from_file_location("routing_sim", REPO / "benchmarks" / "routing_sim.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules["routing_sim"] = module  # dataclasses look their module up by name
