@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import random
 import shutil
 import signal
 import socket
@@ -34,6 +35,26 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((LOOPBACK, 0))
         return s.getsockname()[1]
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((LOOPBACK, port))
+        except OSError:
+            return False
+        return True
+
+
+def free_port_with_bus(offset: int = 10_000, highest: int = 55_535) -> int:
+    """A free loopback port `p <= highest` whose `p + offset` is free too: Redis Cluster listens on both (the bus
+    port is the client port + 10000), and refuses a client port above 55535."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randint(20_000, highest)
+        if _port_is_free(port) and _port_is_free(port + offset):
+            return port
+    raise DevServerError(f"no free loopback port pair (p, p+{offset}) with p <= {highest}")
 
 
 class _ChildServer:
@@ -122,6 +143,8 @@ class RedisServer(_ChildServer):
 
     def __init__(self, port: int | None = None, *, executable: str | None = None,
                  startup_timeout_s: float = 10.0, extra_args: tuple[str, ...] = ()) -> None:
+        if port is None and "--cluster-enabled" in extra_args:
+            port = free_port_with_bus()
         super().__init__(port, startup_timeout_s)
         self.executable = executable or shutil.which("redis-server") or "/usr/bin/redis-server"
         if not os.path.exists(self.executable):
