@@ -165,7 +165,7 @@ class RedisServer(_ChildServer):
         try:
             with socket.create_connection((LOOPBACK, self.port), timeout=0.5) as s:
                 s.sendall(b"PING\r\n")
-                return s.recv(16).startswith(b"+PONG")
+                return s.recv(16).startswith((b"+PONG", b"-NOAUTH"))  # a server with requirepass answers too
         except OSError:
             return False
 

@@ -3,7 +3,8 @@
 Keys are `<key_prefix>:<namespace>:<block hash hex>` (namespace: a fingerprint's hex, "shared" by default), so
 several deployments or models can share one Redis and `clear()` removes only its own keys. Every call is one
 batched round trip per `batch_size` keys (and per ~`batch_bytes` of values): pipelined EXISTS for `contains`, MGET
-(pipelined GET on a cluster, where MGET cannot cross slots) for `get`, pipelined SET NX [PX ttl] for `put`.
+received straight into the caller's buffers (`resp.py`; pipelined GET through redis-py on a cluster, where MGET
+cannot cross slots, and over TLS) for `get`, pipelined SET NX [PX ttl] for `put`.
 Every socket operation has a timeout and redis-py retries a failed command at most `retries` times, so a dead
 server costs about `connect_timeout_s` (refused: far less) and a frozen one about `socket_timeout_s`, never a
 hang. Any Redis failure raises `TierUnavailable`; a Redis that is out of memory (maxmemory with noeviction)
@@ -26,6 +27,7 @@ from redis.retry import Retry
 
 from kvstore.hashing import BlockHash, Namespace
 from kvstore.tiers.base import Tier, TierFull, TierStats, TierUnavailable, register_tier
+from kvstore.tiers.resp import BufferTooSmall, RespConnectionError, RespPool, RespReplyError
 
 _SCAN_COUNT = 1000
 _UNLINK_BATCH = 500
@@ -79,10 +81,13 @@ class RedisTier(Tier):
         options = dict(socket_timeout=socket_timeout_s, socket_connect_timeout=connect_timeout_s,
                        retry=Retry(ExponentialBackoff(cap=0.05, base=0.01), retries), decode_responses=False,
                        health_check_interval=30)
+        self._direct: RespPool | None = None
         if cluster:
             self._client = RedisCluster.from_url(url, **options)
         else:
             self._client = redis.Redis.from_url(url, max_connections=max_connections, **options)
+            if not url.startswith("rediss://"):
+                self._direct = _direct_pool(url, socket_timeout_s, connect_timeout_s)
 
     @staticmethod
     def _check_args(url: str, ttl_s: float, socket_timeout_s: float, connect_timeout_s: float, retries: int,
@@ -117,10 +122,18 @@ class RedisTier(Tier):
         if len(keys) != len(bufs):
             raise ValueError(f"get needs one buffer per key, got {len(keys)} keys and {len(bufs)} buffers")
         started = time.perf_counter()
-        values: list[bytes | None] = []
-        for chunk in _chunks(keys, self.batch_size, [len(b) for b in bufs], self.batch_bytes):
-            values.extend(self._fetch(chunk))
-        written = [_copy_into(k, v, b) for k, v, b in zip(keys, values, bufs)]
+        if self._direct is not None:
+            flat = [_flat(b) for b in bufs]
+            written: list[int | None] = []
+            start = 0
+            for chunk in _chunks(keys, self.batch_size, [len(b) for b in flat], self.batch_bytes):
+                written.extend(self._fetch_into(chunk, flat[start:start + len(chunk)]))
+                start += len(chunk)
+        else:
+            values: list[bytes | None] = []
+            for chunk in _chunks(keys, self.batch_size, [len(b) for b in bufs], self.batch_bytes):
+                values.extend(self._fetch(chunk))
+            written = [_copy_into(k, v, b) for k, v, b in zip(keys, values, bufs)]
         self._track_sizes(keys, written)
         hits = [n for n in written if n is not None]
         self._observe("get", started, hits=len(hits), misses=len(written) - len(hits), bytes_read=sum(hits))
@@ -160,6 +173,8 @@ class RedisTier(Tier):
             self._sizes.clear()
 
     def close(self) -> None:
+        if self._direct is not None:
+            self._direct.close()
         self._client.close()
 
     def stats(self) -> TierStats:
@@ -201,6 +216,18 @@ class RedisTier(Tier):
             names = [self.key(k) for k in chunk]
             return self._pipeline("get", [("MGET", *names)])[0]
         return self._pipeline("get", [("GET", self.key(k)) for k in chunk])  # MGET cannot cross cluster slots
+
+    def _fetch_into(self, chunk: Sequence[BlockHash], bufs: Sequence[memoryview]) -> list[int | None]:
+        """MGET received straight into `bufs` (plain and unix-socket servers; see `resp.py`)."""
+        try:
+            lengths = self._direct.mget_into([self.key(k) for k in chunk], bufs)
+        except BufferTooSmall as exc:
+            raise ValueError(f"buffer of {exc.have} bytes is too small for block {chunk[exc.index].hex()} of "
+                             f"{exc.needed} bytes") from None
+        except (RespConnectionError, RespReplyError) as exc:
+            raise self._unavailable("get", exc) from exc
+        self._mark_healthy()
+        return lengths
 
     def _store(self, chunk: Sequence[tuple[BlockHash, bytes | memoryview]]) -> None:
         expiry = ("PX", self.ttl_ms) if self.ttl_ms else ()
@@ -255,11 +282,26 @@ def _chunks(seq: Sequence, size: int, weights: Sequence[int] | None = None,
         start = end
 
 
+def _direct_pool(url: str, socket_timeout_s: float, connect_timeout_s: float) -> RespPool:
+    parts = redis.connection.parse_url(url)
+    address = parts["path"] if "path" in parts else (parts.get("host", "localhost"), parts.get("port", 6379))
+    return RespPool(address, username=parts.get("username"), password=parts.get("password"),
+                    db=int(parts.get("db") or 0), socket_timeout_s=socket_timeout_s,
+                    connect_timeout_s=connect_timeout_s)
+
+
+def _flat(buf: memoryview) -> memoryview:
+    if not isinstance(buf, memoryview):
+        buf = memoryview(buf)
+    if buf.readonly:
+        raise ValueError("get needs writable buffers")
+    return buf if buf.format == "B" and buf.ndim == 1 else buf.cast("B")
+
+
 def _copy_into(key: BlockHash, value: bytes | None, buf: memoryview) -> int | None:
     if value is None:
         return None
-    if buf.format != "B" or buf.ndim != 1:
-        buf = buf.cast("B")
+    buf = _flat(buf)
     if len(value) > len(buf):
         raise ValueError(f"buffer of {len(buf)} bytes is too small for block {key.hex()} of {len(value)} bytes")
     buf[:len(value)] = value
