@@ -169,6 +169,24 @@ class ShmAgent(TransferAgent):
             raise ValueError(f"deadline_s must be a number of seconds >= 0, got {deadline_s!r}")
         if len(dst_bufs) != len(descs):
             raise ValueError(f"{len(descs)} descriptors but {len(dst_bufs)} destination buffers")
+        if len(descs) == 1 and (desc := descs[0])[4] is None:
+            # NOTE: one unleased block: _plan's checks inlined, since the call and the plan's list and dict cost
+            # ~0.8 us on this box, 8% of a 256 KiB copy (measured: 3.4 vs 4.2 us for a 64-byte read).
+            agent, region_id, offset, length, _ = desc
+            peer = self._peers.get(agent) or self._peer(agent)
+            if peer.words[3] != STATE_OPEN or time.monotonic() >= peer.alive_until:
+                self._check_alive(peer)
+            mapped = peer.regions.get(region_id)
+            if mapped is None or peer.words[mapped.word] != mapped.generation:
+                mapped = peer.region(region_id, 0)
+            if offset < 0 or length < 0 or offset + length > mapped.length:
+                raise OutOfBounds(f"({offset}, {length}) is outside region {region_id!r} of {mapped.length} bytes", 0)
+            dst = dst_bufs[0]
+            if (type(dst) is not memoryview or dst.format != "B" or dst.ndim != 1 or not dst.c_contiguous
+                    or dst.readonly or dst.nbytes < length):
+                dst = _dst_view(dst, length, 0)
+            dst[:length] = mapped.buf[offset:offset + length]
+            return tuple.__new__(ReadResult, (1, length, time.perf_counter() - start))
         plan, leases = self._plan(descs, dst_bufs)
         if len(plan) == 1:  # one block: after its single copy there is nothing left for a deadline to stop
             dst, src, offset, nbytes = plan[0]

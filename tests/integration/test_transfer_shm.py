@@ -76,6 +76,14 @@ def test_out_of_bounds_descriptor_is_rejected_before_any_copy(owner, reader, off
     assert err.value.desc_index == 1 and dsts[0] == b"\xaa" * 16  # validated first, nothing copied
 
 
+@pytest.mark.parametrize("offset,length", [(POOL - 10, 11), (-1, 4), (POOL, 1), (0, -1)])
+def test_out_of_bounds_single_descriptor_is_rejected(owner, reader, offset, length):
+    dst = bytearray(b"\xaa" * 16)
+    with pytest.raises(OutOfBounds) as err:
+        reader.read([owner.handles["pool"].descriptor(offset, length)], [dst], deadline_s=5.0)
+    assert err.value.desc_index == 0 and dst == b"\xaa" * 16
+
+
 def test_destination_smaller_than_descriptor_is_out_of_bounds(owner, reader):
     with pytest.raises(OutOfBounds):
         reader.read([owner.handles["pool"].descriptor(0, 64)], [bytearray(63)], deadline_s=5.0)
