@@ -23,7 +23,8 @@ from kvstore.transfer import TransferConfig, create_agent
 from strata.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from worker_common.admission import admit
 from worker_common.config import WorkerConfig
-from worker_common.convert import InvalidArgument, check_handle, check_prompt, sampling_from_proto
+from worker_common.convert import (InvalidArgument, check_handle, check_prompt, logprobs_to_proto,
+                                   sampling_from_proto)
 from worker_common.engine_setup import EngineBundle
 from worker_common.kv_blocks import cacheable_blocks, load_prefix, store_computed_blocks
 from worker_common.server import GRPC_OPTIONS, WorkerBase
@@ -193,7 +194,8 @@ class DecodeService(WorkerBase):
                 prompt_tokens: int, cached_tokens: int | None, blocks: dict | None, reason: str,
                 load_s: float) -> Iterator[worker_pb2.TokenChunk]:
         for event in wait_events(tracked, context):
-            chunk = worker_pb2.TokenChunk(request_id=request_id, token_ids=event.token_ids, text_delta=event.text)
+            chunk = worker_pb2.TokenChunk(request_id=request_id, token_ids=event.token_ids, text_delta=event.text,
+                                          logprobs=[logprobs_to_proto(e) for e in event.logprobs])
             if event.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                 chunk.finish_reason = event.finish_reason
                 for key, value in event.stop_fields.items():

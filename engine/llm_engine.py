@@ -13,9 +13,9 @@ from engine.batch import StepBatch
 from engine.block_manager import BlockManager, Hasher, OnBlockStored, PrefixCacheStats
 from engine.block_pool import OnBlockRemoved
 from engine.detokenizer import Detokenizer
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput, TokenLogprobs
 from engine.request import Request, RequestStatus
-from engine.sampler import Sampler
+from engine.sampler import Sampler, token_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import RequestUpdate, ScheduledStep, Scheduler
 from strata.config import CacheConfig, SchedulerConfig
@@ -50,6 +50,7 @@ class LLMEngine:
         self.scheduler = Scheduler(scheduler_config, self.block_manager, eos_token_ids)
         self.sampler = Sampler(seed)
         self._detokenizers: dict[str, Detokenizer] = {}
+        self._pending_logprobs: dict[str, TokenLogprobs] = {}  # sampled this step, taken by _output
         self._num_generate_calls = 0
 
     @property
@@ -86,7 +87,9 @@ class LLMEngine:
             return []
         logits = self.runner.execute(step.batch)  # [sum(num_logits), vocab]
         updates = self.scheduler.update(step, self._sample(step, logits))
-        return [self._output(update) for update in updates]
+        outputs = [self._output(update) for update in updates]
+        self._pending_logprobs.clear()
+        return outputs
 
     def generate(self, prompts: Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -108,6 +111,14 @@ class LLMEngine:
         seen = [(r.prompt_token_ids, r.output_token_ids) if r.params.penalized else None for r in requests]
         tokens = self.sampler.sample(logits, [r.params for r in requests], [r.num_output_tokens for r in requests],
                                      seen)
+        wanted = [j for j, r in enumerate(requests) if r.params.logprobs is not None]
+        if wanted:
+            # NOTE: from the raw logits (the sampler works on a penalised copy): vLLM's default logprobs mode
+            index = torch.tensor(wanted, device=logits.device)
+            computed = token_logprobs(logits.index_select(0, index), [tokens[j] for j in wanted],
+                                      [requests[j].params.logprobs for j in wanted])
+            for j, entry in zip(wanted, computed):
+                self._pending_logprobs[requests[j].request_id] = TokenLogprobs(*entry)
         sampled: list[list[int]] = [[] for _ in step.batch.seqs]
         for i, token_id in zip(rows, tokens):
             sampled[i] = [token_id]
@@ -120,9 +131,16 @@ class LLMEngine:
             self._detokenizers.pop(request.request_id, None)
             if stop_reason is None and request.status is RequestStatus.FINISHED_STOPPED:
                 stop_reason = request.output_token_ids[-1]
+        new_logprobs = logprobs = None
+        if request.params.logprobs is not None:
+            new_logprobs = [self._pending_logprobs.pop(request.request_id)] if new_ids else []
+            if request.output_logprobs is None:
+                request.output_logprobs = []
+            request.output_logprobs.extend(new_logprobs)
+            logprobs = list(request.output_logprobs)
         return RequestOutput(request.request_id, new_ids, new_text, list(request.output_token_ids), text,
                              request.is_finished, request.finish_reason, request.num_cached_tokens,
-                             request.num_prompt_tokens, stop_reason)
+                             request.num_prompt_tokens, stop_reason, new_logprobs, logprobs)
 
     def _detokenize(self, request: Request, new_ids: list[int]) -> tuple[str, str, str | None]:
         detokenizer = self._detokenizers.get(request.request_id)

@@ -2,6 +2,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
+
+
+class TokenLogprobs(NamedTuple):
+    """Log probabilities at one output position, from the model's raw distribution (log-softmax of the logits,
+    before temperature, penalties, top-k and top-p; vLLM's default)."""
+
+    token_id: int                       # the sampled token
+    logprob: float                      # its log probability
+    rank: int                           # 1 = the most likely token
+    top: list[tuple[int, float]]        # the `SamplingParams.logprobs` most likely (token id, logprob), best first
 
 
 @dataclass
@@ -16,6 +27,8 @@ class RequestOutput:
     num_cached_tokens: int          # prompt tokens served from the prefix cache
     prompt_tokens: int              # prompt length in tokens
     stop_reason: str | int | None = None   # the stop string or stop token id that ended it, if any
+    new_logprobs: list[TokenLogprobs] | None = None   # one per new token, when params.logprobs is set
+    logprobs: list[TokenLogprobs] | None = None       # one per output token so far, when params.logprobs is set
 
     @property
     def completion_tokens(self) -> int:

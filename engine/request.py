@@ -44,7 +44,7 @@ class Request:
 
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "token_ids", "params", "status",
                  "num_computed_tokens", "num_cached_tokens", "num_preemptions", "arrival_index", "hash_root",
-                 "block_hashes")
+                 "block_hashes", "output_logprobs")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  arrival_index: int = 0, hash_root: bytes | None = None) -> None:
@@ -62,6 +62,7 @@ class Request:
         self.arrival_index = arrival_index            # smaller = older; preemption picks the largest
         self.hash_root = hash_root
         self.block_hashes: list[bytes] = []           # chained hashes of full blocks of token_ids, filled lazily
+        self.output_logprobs: list | None = None      # engine.outputs.TokenLogprobs per output sampled here
 
     @property
     def num_tokens(self) -> int:

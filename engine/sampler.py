@@ -121,6 +121,21 @@ class Sampler:
 
 
 
+def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], num_top: Sequence[int]) -> list[tuple]:
+    """Per row of raw `logits` [rows, vocab]: (token id, its log-softmax, its rank (1 = most likely), the
+    `num_top[i]` most likely (id, logprob) pairs)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)                                         # [rows, vocab]
+    chosen = lp.gather(1, torch.tensor(token_ids, device=lp.device).unsqueeze(1))          # [rows, 1]
+    ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
+    k = max(num_top, default=0)
+    top_vals, top_ids = lp.topk(k, dim=-1) if k else (None, None)                           # [rows, k]
+    out = []
+    for i, (token_id, n) in enumerate(zip(token_ids, num_top)):
+        top = list(zip(top_ids[i, :n].tolist(), top_vals[i, :n].tolist())) if n else []
+        out.append((token_id, chosen[i, 0].item(), ranks[i], top))
+    return out
+
+
 def apply_penalties(logits: torch.Tensor,
                     rows: Sequence[tuple[int, SamplingParams, tuple[Sequence[int], Sequence[int]]]]) -> torch.Tensor:
     """A copy of `logits` with each listed row penalised. Repetition (HF/vLLM): every token in the prompt or the

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+MAX_LOGPROBS = 20  # as vLLM's default max_logprobs and OpenAI's top_logprobs bound
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -18,6 +20,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    logprobs: int | None = None       # per output token: its log probability and the N most likely (0 = its own)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -33,6 +36,8 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not (-2.0 <= getattr(self, name) <= 2.0):
                 raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {getattr(self, name)!r}")
+        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (or unset), got {self.logprobs!r}")
         if self.seed is not None and not (0 <= self.seed < 2**63):
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed!r}")
         if isinstance(self.stop, str):

@@ -21,7 +21,8 @@ from prefill_worker.kv_export import KvExporter
 from strata.v1 import common_pb2, worker_pb2
 from worker_common.admission import admit
 from worker_common.config import WorkerConfig
-from worker_common.convert import InvalidArgument, check_prompt, sampling_from_proto, stop_reason_fields
+from worker_common.convert import (InvalidArgument, check_prompt, logprobs_to_proto, sampling_from_proto,
+                                   stop_reason_fields)
 from worker_common.engine_loop import Tracked
 from worker_common.engine_setup import EngineBundle
 from worker_common.handoff_pool import HandoffPool
@@ -57,6 +58,8 @@ class PrefillJob(Tracked):
         response = worker_pb2.PrefillResponse(request_id=self.request_id, first_token_id=token,
                                               first_text_delta=delta.text, worker_id=self.service.worker_id,
                                               cached_tokens=output.num_cached_tokens)
+        if output.new_logprobs:
+            response.first_logprobs.CopyFrom(logprobs_to_proto(output.new_logprobs[-1]))
         if delta.stop_str is not None or engine_stop:
             response.finish_reason = common_pb2.FINISH_REASON_STOP
             for key, value in stop_reason_fields(delta.stop_str, token, self.params).items():

@@ -125,37 +125,77 @@ def _usage(usage: common_pb2.Usage) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
 
 
+class _Logprobs:
+    """OpenAI's logprobs objects from the stream's `TokenLogprobs`; a token's text is its id decoded alone (as vLLM
+    reports it). Chat: `{"content": [{token, logprob, bytes, top_logprobs: [...]}]}`; completions: the legacy
+    `{tokens, token_logprobs, top_logprobs: [{text: logprob}], text_offset}` (the sampled token is in its dict)."""
+
+    def __init__(self, tokenizer, chat: bool) -> None:
+        self.tokenizer, self.chat = tokenizer, chat
+        self._texts: dict[int, str] = {}
+        self._offset = 0  # text_offset of the next completion token
+
+    def _text(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+    def _entry(self, lp: common_pb2.Logprob) -> dict[str, Any]:
+        text = self._text(lp.token_id)
+        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
+
+    def format(self, entries) -> dict[str, Any]:
+        if self.chat:
+            return {"content": [dict(self._entry(e.sampled), top_logprobs=[self._entry(t) for t in e.top])
+                                for e in entries], "refusal": None}
+        tokens = [self._text(e.sampled.token_id) for e in entries]
+        offsets = []
+        for text in tokens:
+            offsets.append(self._offset)
+            self._offset += len(text)
+        return {"tokens": tokens, "token_logprobs": [e.sampled.logprob for e in entries],
+                "top_logprobs": [{**{self._text(t.token_id): t.logprob for t in e.top},
+                                  self._text(e.sampled.token_id): e.sampled.logprob} for e in entries],
+                "text_offset": offsets}
+
+
 class _Shape:
     """The JSON shapes of one endpoint: `text_completion` or `chat.completion`."""
 
-    def __init__(self, params: GenerateParams, options: OpenAIOptions) -> None:
+    def __init__(self, params: GenerateParams, options: OpenAIOptions, tokenizer=None) -> None:
         self.chat, self.options = options.chat, options
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + params.request_id
         self.model, self.created = params.model, int(time.time())
+        self.logprobs = _Logprobs(tokenizer, self.chat) if params.sampling.logprobs is not None else None
+
+    def _logprobs(self, entries) -> dict[str, Any] | None:
+        return None if self.logprobs is None else self.logprobs.format(entries)
 
     def _envelope(self, obj: str, choices: list) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
-    def whole(self, text: str, finish: str | None, usage: common_pb2.Usage) -> dict[str, Any]:
+    def whole(self, text: str, finish: str | None, usage: common_pb2.Usage, logprobs=()) -> dict[str, Any]:
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                      "logprobs": None}
+                      "logprobs": self._logprobs(logprobs)}
             body = self._envelope("chat.completion", [choice])
         else:
             body = self._envelope("text_completion", [{"index": 0, "text": text, "finish_reason": finish,
-                                                       "logprobs": None}])
+                                                       "logprobs": self._logprobs(logprobs)}])
         body["usage"] = _usage(usage)
         return body
 
-    def delta(self, text: str | None, finish: str | None, first: bool = False) -> dict[str, Any]:
+    def delta(self, text: str | None, finish: str | None, first: bool = False, logprobs=()) -> dict[str, Any]:
+        lp = self._logprobs(logprobs) if logprobs else None
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
             if text:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}
             return self._envelope("chat.completion.chunk", [choice])
         return self._envelope("text_completion", [{"index": 0, "text": text or "", "finish_reason": finish,
-                                                   "logprobs": None}])
+                                                   "logprobs": lp}])
 
     def usage_chunk(self, usage: common_pb2.Usage) -> dict[str, Any]:
         body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
@@ -222,6 +262,9 @@ def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: Router
             params = replace(params, sampling=sampling)
         return await _serve(request, params, options)
 
+    def _tokenizer(params: GenerateParams):
+        return dispatcher.models[params.model].tokenizer
+
     async def _serve(request: Request, params: GenerateParams, options: OpenAIOptions) -> Response:
         run = await anyio.to_thread.run_sync(dispatcher.start, params, _identity(request), None, "http")
         if options.stream:
@@ -233,9 +276,11 @@ def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: Router
                      request: Request) -> JSONResponse:
         it = run.events()
         text, finish, usage = [params.prompt_text or ""] if options.echo else [], None, common_pb2.Usage()
+        logprobs: list = []
         try:
             while (chunk := await _next_chunk(it)) is not None:
                 text.append(chunk.text_delta)
+                logprobs.extend(chunk.logprobs)
                 if chunk.finish_reason:
                     finish, usage = _FINISH.get(chunk.finish_reason), chunk.usage
         except ApiError as exc:
@@ -243,10 +288,11 @@ def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: Router
         except asyncio.CancelledError:
             run.cancel()
             raise
-        return JSONResponse(_Shape(params, options).whole("".join(text), finish, usage))
+        return JSONResponse(_Shape(params, options, _tokenizer(params)).whole("".join(text), finish, usage,
+                                                                              logprobs))
 
     async def _stream(run: RequestRun, params: GenerateParams, options: OpenAIOptions) -> AsyncIterator[bytes]:
-        shape, it = _Shape(params, options), run.events()
+        shape, it = _Shape(params, options, _tokenizer(params)), run.events()
         usage = None
         try:
             first = True
@@ -255,8 +301,8 @@ def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: Router
                 first = False
             while (chunk := await _next_chunk(it)) is not None:
                 finish = _FINISH.get(chunk.finish_reason) if chunk.finish_reason else None
-                if chunk.text_delta or finish:
-                    yield _sse(shape.delta(chunk.text_delta, finish, first=first))
+                if chunk.text_delta or finish or chunk.logprobs:
+                    yield _sse(shape.delta(chunk.text_delta, finish, first=first, logprobs=chunk.logprobs))
                     first = False
                 if chunk.finish_reason:
                     usage = chunk.usage

@@ -55,6 +55,7 @@ class _Progress:
     """What the client already has: a retry forwards only what lies beyond it."""
 
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)   # common_pb2.TokenLogprobs per token, when asked for
     text: str = ""
     first_chunk_sent: bool = False
     first_token_at: float | None = None
@@ -171,7 +172,8 @@ class RequestRun:
         if first.finish_reason == common_pb2.FINISH_REASON_ABORT:
             yield self._final(common_pb2.FINISH_REASON_ABORT, common_pb2.Usage(prompt_tokens=len(self.prompt)))
             return
-        chunk = self._chunk([first.first_token_id], first.first_text_delta)
+        chunk = self._chunk([first.first_token_id], first.first_text_delta,
+                            [first.first_logprobs] if first.HasField("first_logprobs") else ())
         if first.finish_reason != UNSET:
             chunk.finish_reason = first.finish_reason
             chunk.usage.CopyFrom(common_pb2.Usage(prompt_tokens=len(self.prompt), completion_tokens=1,
@@ -219,6 +221,7 @@ class RequestRun:
         """Forward a worker's TokenChunk stream, skipping what the client already has (a rerun after a retry)."""
         address = self.d.address_of(worker_id)
         rerun_tokens: list[int] = list(self.progress.token_ids[:1]) if method == "Decode" else []
+        rerun_logprobs: list = list(self.progress.logprobs[:1]) if method == "Decode" else []
         rerun_text = self.progress.text if method == "Decode" else ""
         self.d.registry.begin(worker_id, work_s)
         call, finished = None, False
@@ -227,13 +230,14 @@ class RequestRun:
             self._attach(call, worker_id, address)
             for wc in call:
                 rerun_tokens.extend(wc.token_ids)
+                rerun_logprobs.extend(wc.logprobs)
                 rerun_text += wc.text_delta
                 new_ids = rerun_tokens[len(self.progress.token_ids):]
                 new_text = rerun_text[len(self.progress.text):]
                 finished = wc.finish_reason != UNSET
                 if not new_ids and not finished:
                     continue
-                chunk = self._chunk(new_ids, new_text)
+                chunk = self._chunk(new_ids, new_text, rerun_logprobs[len(self.progress.logprobs):])
                 if finished:
                     chunk.finish_reason = wc.finish_reason
                     chunk.usage.CopyFrom(wc.usage)
@@ -255,8 +259,10 @@ class RequestRun:
 
     # ---- pieces ---------------------------------------------------------------------------------------------
 
-    def _chunk(self, token_ids: Sequence[int], text: str) -> strata_pb2.GenerateResponse:
-        chunk = strata_pb2.GenerateResponse(request_id=self.request_id, token_ids=token_ids, text_delta=text)
+    def _chunk(self, token_ids: Sequence[int], text: str, logprobs: Sequence = ()) -> strata_pb2.GenerateResponse:
+        chunk = strata_pb2.GenerateResponse(request_id=self.request_id, token_ids=token_ids, text_delta=text,
+                                            logprobs=logprobs)
+        self.progress.logprobs.extend(logprobs)
         if not self.progress.first_chunk_sent:
             self.progress.first_chunk_sent = True
             if self.params.include_prompt_token_ids:

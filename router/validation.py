@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import grpc
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 DEFAULT_MAX_TOKENS = 64
 MAX_TEMPERATURE = 100.0
@@ -101,7 +101,8 @@ def build_sampling(prefix: str, *, max_tokens: int | None, temperature: float, t
                    seed: int | None, stop: Sequence[str], stop_token_ids: Sequence[int], ignore_eos: bool,
                    include_stop_str_in_output: bool, draw_seed: Callable[[], int] | None = None,
                    repetition_penalty: float | None = None, presence_penalty: float = 0.0,
-                   frequency_penalty: float = 0.0) -> SamplingParams:
+                   frequency_penalty: float = 0.0, logprobs: int | None = None,
+                   logprobs_param: str = "logprobs") -> SamplingParams:
     """Range checks with the door's field names; an unset seed is drawn here, so a retry on another worker
     continues the same random stream (docs/api.md: "the same tokens on any worker, after a failover too")."""
     if max_tokens is not None and max_tokens < 1:
@@ -121,6 +122,9 @@ def build_sampling(prefix: str, *, max_tokens: int | None, temperature: float, t
             raise invalid(f"{prefix}{name}", f"{prefix}{name} must be in [-2, 2] (0 = off), got {value}")
     if seed is not None and not 0 <= seed < MAX_SEED:
         raise invalid(f"{prefix}seed", f"{prefix}seed must be in [0, 2**63), got {seed}")
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise invalid(f"{prefix}{logprobs_param}",
+                      f"{prefix}{logprobs_param} must be in [0, {MAX_LOGPROBS}], got {logprobs}")
     if any(not isinstance(s, str) or not s for s in stop):
         raise invalid(f"{prefix}stop", f"{prefix}stop strings must be non-empty strings, got {list(stop)!r}")
     if seed is None and draw_seed is not None:
@@ -130,7 +134,8 @@ def build_sampling(prefix: str, *, max_tokens: int | None, temperature: float, t
                           stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos,
                           include_stop_str_in_output=include_stop_str_in_output,
                           repetition_penalty=1.0 if repetition_penalty is None else float(repetition_penalty),
-                          presence_penalty=float(presence_penalty), frequency_penalty=float(frequency_penalty))
+                          presence_penalty=float(presence_penalty), frequency_penalty=float(frequency_penalty),
+                          logprobs=logprobs)
 
 
 def check_request_id(request_id: str, param: str = "request_id") -> str:
@@ -190,7 +195,8 @@ def from_grpc(request: Any, models: Mapping[str, ModelLimits]) -> GenerateParams
         stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
         include_stop_str_in_output=s.include_stop_str_in_output, draw_seed=draw_seed,
         repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else None,
-        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty)
+        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+        logprobs=s.logprobs if s.HasField("logprobs") else None)
     opts = request.stream_options
     return GenerateParams(
         model=model.id, prompt_text=request.text if kind == "text" else None,
@@ -242,8 +248,6 @@ def _unsupported(body: Mapping[str, Any]) -> None:
             raise invalid(key, f"{key} must be 1 (one choice per request is supported), got {value!r}")
     if body.get("logit_bias"):
         raise invalid("logit_bias", "logit_bias is not supported yet; omit it")
-    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
-        raise invalid("logprobs", "logprobs are not supported yet; omit logprobs and top_logprobs")
     if body.get("tools") or body.get("functions"):
         raise invalid("tools", "tools / function calling are not supported; omit tools")
     fmt = body.get("response_format")
@@ -253,8 +257,28 @@ def _unsupported(body: Mapping[str, Any]) -> None:
         raise invalid("suffix", "suffix is not supported; omit it")
 
 
+def _completion_logprobs(body: Mapping[str, Any]) -> tuple[int | None, str]:
+    """`/v1/completions`: `logprobs` is the number of alternatives per token (OpenAI allows up to 5, vLLM 20)."""
+    if body.get("top_logprobs") is not None:
+        raise invalid("top_logprobs", "top_logprobs is a chat option; /v1/completions takes logprobs: <int>")
+    value = _typed(body, "logprobs", (int,), f"an integer in [0, {MAX_LOGPROBS}]", None)
+    if value is not None and body.get("echo"):
+        raise invalid("logprobs", "logprobs with echo (prompt logprobs) is not supported; omit one of them")
+    return value, "logprobs"
+
+
+def _chat_logprobs(body: Mapping[str, Any]) -> tuple[int | None, str]:
+    """`/v1/chat/completions`: `logprobs: true` returns the sampled tokens' logprobs, `top_logprobs: N` adds the N
+    most likely alternatives (it needs logprobs: true)."""
+    wanted = bool(_typed(body, "logprobs", (bool,), "a boolean", False))
+    top = _typed(body, "top_logprobs", (int,), f"an integer in [0, {MAX_LOGPROBS}]", None)
+    if top is not None and not wanted:
+        raise invalid("top_logprobs", "top_logprobs needs logprobs: true")
+    return ((top or 0) if wanted else None), ("top_logprobs" if top is not None else "logprobs")
+
+
 def _openai_sampling(body: Mapping[str, Any], max_tokens_keys: Sequence[str],
-                     defaults: Mapping[str, float]) -> tuple[SamplingParams, bool]:
+                     defaults: Mapping[str, float], chat: bool) -> tuple[SamplingParams, bool]:
     max_tokens, explicit = None, False
     for key in max_tokens_keys:
         value = _integer(body, key, None)
@@ -263,6 +287,7 @@ def _openai_sampling(body: Mapping[str, Any], max_tokens_keys: Sequence[str],
                 raise invalid(key, f"{key} must be >= 1, got {value}")
             max_tokens, explicit = value, True
             break
+    logprobs, logprobs_param = (_chat_logprobs if chat else _completion_logprobs)(body)
     stop_token_ids = _typed(body, "stop_token_ids", (list,), "a list of token ids", [])
     if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in stop_token_ids):
         raise invalid("stop_token_ids", f"stop_token_ids must be non-negative integers, got {stop_token_ids!r}")
@@ -276,7 +301,7 @@ def _openai_sampling(body: Mapping[str, Any], max_tokens_keys: Sequence[str],
         draw_seed=draw_seed,
         repetition_penalty=_number(body, "repetition_penalty", defaults.get("repetition_penalty")),
         presence_penalty=_number(body, "presence_penalty", 0.0),
-        frequency_penalty=_number(body, "frequency_penalty", 0.0))
+        frequency_penalty=_number(body, "frequency_penalty", 0.0), logprobs=logprobs, logprobs_param=logprobs_param)
     return sampling, explicit
 
 
@@ -288,14 +313,15 @@ def _stream_options(body: Mapping[str, Any]) -> tuple[bool, bool]:
     return stream, bool(options.get("include_usage", False))
 
 
-def _common(body: Mapping[str, Any], models: Mapping[str, ModelLimits], request_id: str) -> dict[str, Any]:
+def _common(body: Mapping[str, Any], models: Mapping[str, ModelLimits], request_id: str,
+            chat: bool) -> dict[str, Any]:
     if not isinstance(body, Mapping):
         raise invalid("body", "the request body must be a JSON object")
     model = _typed(body, "model", (str,), "a string", "")
     _unsupported(body)
     limits = resolve_model(model, models)
     sampling, explicit = _openai_sampling(body, ("max_tokens", "max_completion_tokens"),
-                                          dict(limits.sampling_defaults))
+                                          dict(limits.sampling_defaults), chat)
     return dict(model=limits.id, sampling=sampling, max_tokens_explicit=explicit,
                 request_id=request_id, cache_salt=_typed(body, "cache_salt", (str,), "a string", ""))
 
@@ -303,7 +329,7 @@ def _common(body: Mapping[str, Any], models: Mapping[str, ModelLimits], request_
 def from_completion(body: Mapping[str, Any], models: Mapping[str, ModelLimits],
                     request_id: str) -> tuple[GenerateParams, OpenAIOptions]:
     """`POST /v1/completions`: prompt is a string, a list of token ids, or a one-element list of either."""
-    common = _common(body, models, request_id)
+    common = _common(body, models, request_id, chat=False)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
@@ -349,7 +375,7 @@ def check_messages(body: Mapping[str, Any]) -> tuple[dict, ...]:
 def from_chat(body: Mapping[str, Any], models: Mapping[str, ModelLimits], request_id: str,
               render: Callable[[Sequence[dict]], str]) -> tuple[GenerateParams, OpenAIOptions]:
     """`POST /v1/chat/completions`: `render` applies the model's chat template (or the plain fallback)."""
-    common = _common(body, models, request_id)
+    common = _common(body, models, request_id, chat=True)
     messages = check_messages(body)
     stream, include_usage = _stream_options(body)
     text = render(messages)

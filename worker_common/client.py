@@ -22,6 +22,7 @@ class Completion:
     usage: common_pb2.Usage | None = None
     prefill: worker_pb2.PrefillResponse | None = None
     last_chunk: worker_pb2.TokenChunk | None = None
+    logprobs: list = field(default_factory=list)   # common_pb2.TokenLogprobs per token, when asked for
     ttft_ms: float = 0.0              # call start to the first token in the client's hands
     second_token_ms: float = 0.0      # call start to the second token (first decode step included)
     total_ms: float = 0.0
@@ -37,6 +38,8 @@ def disaggregated(prefill: worker_pb2_grpc.WorkerStub, decode: worker_pb2_grpc.W
                             timeout=timeout_s)
     out = Completion(request_id, [first.first_token_id], first.first_text_delta, first.finish_reason,
                      prefill=first, ttft_ms=_ms_since(started))
+    if first.HasField("first_logprobs"):
+        out.logprobs.append(first.first_logprobs)
     if first.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
         out.total_ms = out.ttft_ms
         return out
@@ -63,6 +66,7 @@ def local(decode: worker_pb2_grpc.WorkerStub, request_id: str, prompt: Sequence[
 def _consume(out: Completion, stream, started: float) -> None:
     for chunk in stream:
         out.token_ids.extend(chunk.token_ids)
+        out.logprobs.extend(chunk.logprobs)
         out.text += chunk.text_delta
         if chunk.token_ids:
             out.ttft_ms = out.ttft_ms or _ms_since(started)

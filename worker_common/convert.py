@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from engine.sampling_params import SamplingParams
+from engine.outputs import TokenLogprobs
+from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from kvstore.hashing import HASH_BYTES
 from strata.v1 import common_pb2
 
@@ -26,6 +27,8 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         raise InvalidArgument("sampling.max_tokens must be >= 1, got 0")
     if msg.HasField("top_p") and not 0.0 < msg.top_p <= 1.0:
         raise InvalidArgument(f"sampling.top_p must be in (0, 1], got {msg.top_p}")
+    if msg.HasField("logprobs") and msg.logprobs > MAX_LOGPROBS:
+        raise InvalidArgument(f"sampling.logprobs must be in [0, {MAX_LOGPROBS}], got {msg.logprobs}")
     if msg.HasField("repetition_penalty") and not 0.0 < msg.repetition_penalty <= 10.0:
         raise InvalidArgument(f"sampling.repetition_penalty must be in (0, 10], got {msg.repetition_penalty}")
     try:
@@ -36,7 +39,8 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
             presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
             seed=msg.seed if msg.HasField("seed") else None, stop=tuple(msg.stop),
             stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
-            include_stop_str_in_output=msg.include_stop_str_in_output)
+            include_stop_str_in_output=msg.include_stop_str_in_output,
+            logprobs=msg.logprobs if msg.HasField("logprobs") else None)
     except ValueError as exc:
         raise InvalidArgument(f"sampling.{exc}") from None
 
@@ -52,7 +56,15 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         msg.repetition_penalty = params.repetition_penalty
     if params.seed is not None:
         msg.seed = params.seed
+    if params.logprobs is not None:
+        msg.logprobs = params.logprobs
     return msg
+
+
+def logprobs_to_proto(entry: TokenLogprobs) -> common_pb2.TokenLogprobs:
+    return common_pb2.TokenLogprobs(
+        sampled=common_pb2.Logprob(token_id=entry.token_id, logprob=entry.logprob), rank=entry.rank,
+        top=[common_pb2.Logprob(token_id=t, logprob=v) for t, v in entry.top])
 
 
 def check_prompt(token_ids: Sequence[int], vocab_size: int, max_model_len: int) -> list[int]:

@@ -26,6 +26,7 @@ class StreamEvent(NamedTuple):
     completion_tokens: int       # outputs so far, a first token sampled elsewhere included
     cached_tokens: int           # prompt tokens the engine took from its prefix cache
     error: str = ""
+    logprobs: tuple = ()         # engine.outputs.TokenLogprobs per token, when the request asked for them
 
 
 class StreamingRequest(Tracked):
@@ -53,7 +54,7 @@ class StreamingRequest(Tracked):
         if reason != common_pb2.FINISH_REASON_UNSPECIFIED and self.on_finish is not None:
             self.on_finish(self.request)  # NOTE: before the event: the stream's end means the blocks are stored
         self.events.put(StreamEvent(list(output.new_token_ids), delta.text, reason, stop, len(output.token_ids),
-                                    output.num_cached_tokens))
+                                    output.num_cached_tokens, "", tuple(output.new_logprobs or ())))
         return delta.stop_str is not None
 
     def on_abort(self, reason: str) -> None:

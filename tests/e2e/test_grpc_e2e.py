@@ -110,6 +110,26 @@ def test_penalties_travel_to_the_workers_and_match_the_engine_in_process(client)
     assert plain.token_ids != remote.token_ids, "the penalties changed nothing"
 
 
+@pytest.mark.parametrize("prompt", [LONG_PROMPT, SHORT_PROMPT], ids=["disaggregated", "local"])
+def test_logprobs_cross_the_router_and_match_the_engine_in_process(client, prompt):
+    """The first token's logprobs come from the prefill worker, the rest from the decode worker (or all from the
+    decode worker for a short prompt): together, one in-process engine's, position by position."""
+    from engine.sampling_params import SamplingParams
+    from strata.llm import LLM
+
+    prompt = fresh(prompt)
+    remote = client.generate(prompt, max_tokens=6, ignore_eos=True, logprobs=3, include_metrics=True)
+    local = LLM(bundled_model(), num_blocks=64).generate(
+        [prompt], SamplingParams(max_tokens=6, ignore_eos=True, logprobs=3))[0]
+    assert remote.token_ids == local.token_ids
+    assert len(remote.logprobs) == 6
+    for got, want in zip(remote.logprobs, local.logprobs):
+        assert (got.sampled.token_id, got.rank) == (want.token_id, want.rank)
+        assert got.sampled.logprob == pytest.approx(want.logprob, abs=1e-4)
+        assert [t.token_id for t in got.top] == [t for t, _ in want.top]
+    assert client.generate(prompt, max_tokens=2).logprobs == []
+
+
 def test_concurrent_requests_all_complete_with_their_own_ids(client):
     """Eight streams at once, half disaggregated and half local, through one router and two workers."""
     from concurrent.futures import ThreadPoolExecutor

@@ -51,6 +51,49 @@ def test_chat_whole_and_streamed_give_the_same_message(client):
     assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
 
 
+def test_completion_logprobs_whole_and_streamed(client):
+    # NOTE: repetition_penalty 1 overrides the model's default 1.3: logprobs are of the raw distribution, so only
+    # then is the greedy token the most likely one there
+    plain = {"ignore_eos": True, "repetition_penalty": 1.0}
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2,
+                                      extra_body=plain)
+    lp = whole.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    assert "".join(lp.tokens) == whole.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert value <= 0.0 and top[token] == value  # greedy: the sampled token is the most likely one
+        assert len(top) <= 3 and max(top.values()) == value
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2,
+                                            stream=True, extra_body=plain))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    values = [v for c in chunks if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed == lp.tokens and values == pytest.approx(lp.token_logprobs, abs=1e-5)
+    offsets = [o for c in chunks if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert offsets == lp.text_offset
+
+
+def test_chat_logprobs_and_top_logprobs(client):
+    messages = [{"role": "user", "content": "Add two numbers."}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0.7, seed=9,
+                                           logprobs=True, top_logprobs=3)
+    content = whole.choices[0].logprobs.content
+    assert 1 <= len(content) <= 5 and len(content) == whole.usage.completion_tokens
+    for entry in content:
+        assert entry.logprob <= 0.0 and entry.bytes == list(entry.token.encode())
+        assert len(entry.top_logprobs) == 3
+        assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs),
+                                                                  reverse=True)
+        assert entry.logprob <= entry.top_logprobs[0].logprob
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, logprobs=True)
+    assert all(e.top_logprobs == [] for e in plain.choices[0].logprobs.content)
+    assert client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2).choices[0].logprobs is None
+    stream = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0.7,
+                                                 seed=9, logprobs=True, top_logprobs=3, stream=True))
+    streamed = [e.token for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert streamed == [e.token for e in content]
+
+
 def test_options_left_out_take_the_models_generation_config_defaults(client):
     """As vLLM's OpenAI server does: the bundled model's generation_config.json (temperature 0.3, top_p 0.9,
     repetition_penalty 1.3) fills what the request leaves out, so these two requests sample identically."""
@@ -71,6 +114,7 @@ def test_models_lists_the_bundled_model(client):
     (dict(temperature=-1), "temperature"),
     (dict(max_tokens=0), "max_tokens"),
     (dict(top_p=2), "top_p"),
+    (dict(logprobs=21), "logprobs"),
     (dict(prompt=None), "prompt"),
 ])
 def test_bad_completion_requests_are_400_naming_the_field(client, kwargs, field):

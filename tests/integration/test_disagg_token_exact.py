@@ -93,6 +93,24 @@ def test_single_request_matches_one_engine(workers, reference, params):
 
 
 @pytest.mark.timeout(600)
+def test_logprobs_match_one_engine_first_token_from_prefill_rest_from_decode(workers, reference):
+    prompt = make_prompt(random.Random(3), 41)
+    params = seeded(11, logprobs=3)
+    want = reference.generate([prompt], params)[0]
+    got = disaggregated(workers[0].stub(), workers[1].stub(), "logprobs", prompt, params)
+    assert_same(got, want)
+    assert got.prefill.HasField("first_logprobs")
+    assert len(got.logprobs) == len(want.logprobs) == len(want.token_ids)
+    for g, w in zip(got.logprobs, want.logprobs):
+        assert (g.sampled.token_id, g.rank) == (w.token_id, w.rank)
+        assert g.sampled.logprob == pytest.approx(w.logprob, abs=1e-5)
+        assert [t.token_id for t in g.top] == [t for t, _ in w.top]
+        assert [t.logprob for t in g.top] == pytest.approx([v for _, v in w.top], abs=1e-5)
+    plain = disaggregated(workers[0].stub(), workers[1].stub(), "no-logprobs", prompt, seeded(11))
+    assert plain.logprobs == [] and not plain.prefill.HasField("first_logprobs")
+
+
+@pytest.mark.timeout(600)
 def test_sixteen_concurrent_requests_with_shared_prefixes_match_one_engine(workers, reference):
     rng = random.Random(16)
     system_a, system_b = make_prompt(rng, 40), make_prompt(rng, 23)

@@ -126,3 +126,41 @@ def test_stop_string_and_max_tokens(tiny_checkpoint):
     assert cut.finish_reason == "stop"
     assert stop_word not in cut.text and full.text.startswith(cut.text)
     assert llm.generate([prompt], SamplingParams(max_tokens=5, ignore_eos=True))[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_logprobs_are_transformers_log_softmax_of_the_raw_logits(tiny_checkpoint, arch):
+    """Every output position: the sampled token's logprob, its rank, and the top-N, from transformers' logits on
+    the same prefix; sampled with temperature and a penalty, which must not change the reported distribution."""
+    ckpt = tiny_checkpoint(arch)
+    llm = LLM(str(ckpt.path), num_blocks=128, block_size=4)
+    prompts = make_prompts(3, seed=11)
+    params = SamplingParams(max_tokens=12, temperature=0.8, seed=3, repetition_penalty=1.3, logprobs=5,
+                            ignore_eos=True)
+    outs = llm.generate(prompts, params)
+    for prompt, out in zip(prompts, outs):
+        assert len(out.logprobs) == len(out.token_ids) == 12
+        with torch.inference_mode():
+            logits = ckpt.hf_model(torch.tensor([prompt + out.token_ids])).logits[0].float()
+        lp = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)  # the distribution each output was drawn at
+        for pos, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+            assert entry.token_id == token
+            assert entry.logprob == pytest.approx(lp[pos, token].item(), abs=1e-4)
+            assert entry.rank == int((lp[pos] > lp[pos, token]).sum()) + 1
+            want_vals, want_ids = lp[pos].topk(5)
+            assert [t for t, _ in entry.top] == want_ids.tolist()
+            assert [v for _, v in entry.top] == pytest.approx(want_vals.tolist(), abs=1e-4)
+
+
+def test_logprobs_zero_gives_the_sampled_token_only_and_unset_gives_none(tiny_checkpoint):
+    ckpt = tiny_checkpoint("llama")
+    llm = LLM(str(ckpt.path), num_blocks=128, block_size=4)
+    prompts = make_prompts(2, seed=12)
+    greedy, plain = llm.generate(prompts, [SamplingParams(max_tokens=6, logprobs=0, ignore_eos=True),
+                                           SamplingParams(max_tokens=6, ignore_eos=True)])
+    assert [e.top for e in greedy.logprobs] == [[]] * 6
+    assert [e.rank for e in greedy.logprobs] == [1] * 6  # greedy picks the most likely token
+    assert all(e.logprob <= 0.0 for e in greedy.logprobs)
+    assert plain.logprobs is None and plain.new_logprobs is None
+    with pytest.raises(ValueError, match="logprobs must be an integer in \\[0, 20\\]"):
+        SamplingParams(logprobs=21)

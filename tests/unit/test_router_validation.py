@@ -42,6 +42,7 @@ def http_error(body: dict, chat: bool = False) -> ApiError:
     ({"top_p": 0.0}, "sampling.top_p", "(0, 1], got 0.0"),
     ({"seed": 2**63}, "sampling.seed", "[0, 2**63)"),
     ({"stop": [""]}, "sampling.stop", "non-empty"),
+    ({"logprobs": 21}, "sampling.logprobs", "[0, 20]"),
 ])
 def test_grpc_sampling_out_of_range_is_invalid_argument_naming_the_field(sampling, field, fragment):
     err = grpc_error(make_grpc(**sampling))
@@ -111,7 +112,11 @@ def test_check_prompt_shortens_the_default_max_tokens_to_the_room_left():
     ({"prompt": ""}, "prompt"),
     ({"prompt": ["a", "b"]}, "prompt"),
     ({"prompt": "hi", "n": 2}, "n"),
-    ({"prompt": "hi", "logprobs": 3}, "logprobs"),
+    ({"prompt": "hi", "logprobs": 21}, "logprobs"),
+    ({"prompt": "hi", "logprobs": -1}, "logprobs"),
+    ({"prompt": "hi", "logprobs": True}, "logprobs"),
+    ({"prompt": "hi", "logprobs": 2, "echo": True}, "logprobs"),
+    ({"prompt": "hi", "top_logprobs": 2}, "top_logprobs"),
     ({"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
     ({"prompt": "hi", "frequency_penalty": "x"}, "frequency_penalty"),
     ({"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
@@ -156,6 +161,19 @@ def test_chat_messages_are_checked_and_rendered():
     assert params.prompt_text == "TEMPLATED" and not params.add_special_tokens
     assert params.sampling.max_tokens == 2 and opts.chat
     assert seen == [({"role": "user", "content": "hi"},)]
+
+
+def test_logprobs_options_of_each_door():
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    assert from_chat(chat, MODELS, "r", lambda m: "x")[0].sampling.logprobs is None
+    assert from_chat({**chat, "logprobs": True}, MODELS, "r", lambda m: "x")[0].sampling.logprobs == 0
+    assert from_chat({**chat, "logprobs": True, "top_logprobs": 4}, MODELS, "r",
+                     lambda m: "x")[0].sampling.logprobs == 4
+    assert http_error({**chat, "top_logprobs": 4}, chat=True).param == "top_logprobs"  # needs logprobs: true
+    assert http_error({**chat, "logprobs": True, "top_logprobs": 21}, chat=True).param == "top_logprobs"
+    assert http_error({**chat, "logprobs": 3}, chat=True).param == "logprobs"  # a boolean in chat
+    assert from_completion({"model": "tiny", "prompt": "hi", "logprobs": 3}, MODELS, "r")[0].sampling.logprobs == 3
+    assert from_completion({"model": "tiny", "prompt": "hi"}, MODELS, "r")[0].sampling.logprobs is None
 
 
 def test_effective_salt_binds_the_salt_to_the_caller():
