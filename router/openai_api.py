@@ -13,7 +13,7 @@ import json
 import time
 import uuid
 from dataclasses import replace
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, NamedTuple
 
 import anyio
 import grpc
@@ -25,7 +25,7 @@ from router.dispatch import Dispatcher
 from router.events_feed import EventsFeed
 from router.request_run import RequestRun
 from router.registry import WorkerRegistry
-from router.validation import ApiError, GenerateParams, OpenAIOptions, from_chat, from_completion
+from router.validation import ApiError, GenerateParams, OpenAIOptions, choice_params, from_chat, from_completion
 from strata.cache_metrics import CacheTierCollector, Snapshot
 from strata.v1 import common_pb2
 
@@ -160,47 +160,64 @@ class _Logprobs:
                 "text_offset": offsets}
 
 
+class _Choice(NamedTuple):
+    text: str
+    finish: str | None
+    logprobs: list          # common_pb2.TokenLogprobs
+
+
 class _Shape:
-    """The JSON shapes of one endpoint: `text_completion` or `chat.completion`."""
+    """The JSON shapes of one endpoint (`text_completion` or `chat.completion`) for its `n` choices."""
 
     def __init__(self, params: GenerateParams, options: OpenAIOptions, tokenizer=None) -> None:
         self.chat, self.options = options.chat, options
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + params.request_id
         self.model, self.created = params.model, int(time.time())
-        self.logprobs = _Logprobs(tokenizer, self.chat) if params.sampling.logprobs is not None else None
+        wanted = params.sampling.logprobs is not None
+        self.logprobs = [_Logprobs(tokenizer, self.chat) if wanted else None for _ in range(options.n)]
 
-    def _logprobs(self, entries) -> dict[str, Any] | None:
-        return None if self.logprobs is None else self.logprobs.format(entries)
+    def _logprobs(self, index: int, entries) -> dict[str, Any] | None:
+        formatter = self.logprobs[index]
+        return None if formatter is None else formatter.format(entries)
 
     def _envelope(self, obj: str, choices: list) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
-    def whole(self, text: str, finish: str | None, usage: common_pb2.Usage, logprobs=()) -> dict[str, Any]:
+    def whole(self, choices: list[_Choice], usage: common_pb2.Usage) -> dict[str, Any]:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                      "logprobs": self._logprobs(logprobs)}
-            body = self._envelope("chat.completion", [choice])
+            body = self._envelope("chat.completion", [
+                {"index": i, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish,
+                 "logprobs": self._logprobs(i, c.logprobs)} for i, c in enumerate(choices)])
         else:
-            body = self._envelope("text_completion", [{"index": 0, "text": text, "finish_reason": finish,
-                                                       "logprobs": self._logprobs(logprobs)}])
+            body = self._envelope("text_completion", [
+                {"index": i, "text": c.text, "finish_reason": c.finish, "logprobs": self._logprobs(i, c.logprobs)}
+                for i, c in enumerate(choices)])
         body["usage"] = _usage(usage)
         return body
 
-    def delta(self, text: str | None, finish: str | None, first: bool = False, logprobs=()) -> dict[str, Any]:
-        lp = self._logprobs(logprobs) if logprobs else None
+    def delta(self, index: int, text: str | None, finish: str | None, first: bool = False,
+              logprobs=()) -> dict[str, Any]:
+        lp = self._logprobs(index, logprobs) if logprobs else None
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
             if text:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}
+            choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": lp}
             return self._envelope("chat.completion.chunk", [choice])
-        return self._envelope("text_completion", [{"index": 0, "text": text or "", "finish_reason": finish,
+        return self._envelope("text_completion", [{"index": index, "text": text or "", "finish_reason": finish,
                                                    "logprobs": lp}])
 
     def usage_chunk(self, usage: common_pb2.Usage) -> dict[str, Any]:
         body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
         body["usage"] = _usage(usage)
         return body
+
+
+def merged_usage(usages: list[common_pb2.Usage]) -> common_pb2.Usage:
+    """n choices of one prompt: the prompt counted once, every choice's completion tokens."""
+    first = usages[0] if usages else common_pb2.Usage()
+    return common_pb2.Usage(prompt_tokens=first.prompt_tokens, cached_tokens=first.cached_tokens,
+                            completion_tokens=sum(u.completion_tokens for u in usages))
 
 
 def _sse(obj: Any) -> bytes:
@@ -266,53 +283,106 @@ def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: Router
         return dispatcher.models[params.model].tokenizer
 
     async def _serve(request: Request, params: GenerateParams, options: OpenAIOptions) -> Response:
-        run = await anyio.to_thread.run_sync(dispatcher.start, params, _identity(request), None, "http")
+        runs = await anyio.to_thread.run_sync(_start, params, options.n, _identity(request))
         if options.stream:
-            return StreamingResponse(_stream(run, params, options), media_type="text/event-stream",
+            return StreamingResponse(_stream(runs, params, options), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await _whole(run, params, options, request)
+        return await _whole(runs, params, options)
 
-    async def _whole(run: RequestRun, params: GenerateParams, options: OpenAIOptions,
-                     request: Request) -> JSONResponse:
-        it = run.events()
-        text, finish, usage = [params.prompt_text or ""] if options.echo else [], None, common_pb2.Usage()
-        logprobs: list = []
+    def _start(params: GenerateParams, n: int, identity: str) -> list[RequestRun]:
+        """One run per choice; none at all when any cannot start (a full router, a clashing request id)."""
+        runs: list[RequestRun] = []
         try:
-            while (chunk := await _next_chunk(it)) is not None:
-                text.append(chunk.text_delta)
-                logprobs.extend(chunk.logprobs)
-                if chunk.finish_reason:
-                    finish, usage = _FINISH.get(chunk.finish_reason), chunk.usage
-        except ApiError as exc:
-            return error_response(exc)
-        except asyncio.CancelledError:
-            run.cancel()
+            for child in choice_params(params, n):
+                runs.append(dispatcher.start(child, identity, None, "http"))
+        except BaseException:
+            for run in runs:
+                dispatcher.finish(run, "not_started", None)
             raise
-        return JSONResponse(_Shape(params, options, _tokenizer(params)).whole("".join(text), finish, usage,
-                                                                              logprobs))
+        return runs
 
-    async def _stream(run: RequestRun, params: GenerateParams, options: OpenAIOptions) -> AsyncIterator[bytes]:
-        shape, it = _Shape(params, options, _tokenizer(params)), run.events()
-        usage = None
+    async def _collect(run: RequestRun) -> tuple[_Choice, common_pb2.Usage]:
+        it = run.events()
+        text, logprobs, finish, usage = [], [], None, common_pb2.Usage()
+        while (chunk := await _next_chunk(it)) is not None:
+            text.append(chunk.text_delta)
+            logprobs.extend(chunk.logprobs)
+            if chunk.finish_reason:
+                finish, usage = _FINISH.get(chunk.finish_reason), chunk.usage
+        return _Choice("".join(text), finish, logprobs), usage
+
+    async def _whole(runs: list[RequestRun], params: GenerateParams, options: OpenAIOptions) -> JSONResponse:
         try:
-            first = True
+            results = await asyncio.gather(*(_collect(run) for run in runs), return_exceptions=True)
+        except asyncio.CancelledError:
+            for run in runs:
+                run.cancel()
+            raise
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            for run in runs:
+                run.cancel()
+            api = next((e for e in errors if isinstance(e, ApiError)), None)
+            if api is None:
+                raise errors[0]
+            return error_response(api)
+        prefix = (params.prompt_text or "") if options.echo else ""
+        choices = [choice._replace(text=prefix + choice.text) for choice, _ in results]
+        usage = merged_usage([u for _, u in results])
+        return JSONResponse(_Shape(params, options, _tokenizer(params)).whole(choices, usage))
+
+    async def _stream(runs: list[RequestRun], params: GenerateParams,
+                      options: OpenAIOptions) -> AsyncIterator[bytes]:
+        """Every choice's chunks as they come, each tagged with its index; one error ends the whole stream."""
+        shape = _Shape(params, options, _tokenizer(params))
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, run: RequestRun) -> None:
+            it = run.events()
+            try:
+                while (chunk := await _next_chunk(it)) is not None:
+                    await queue.put((index, chunk, None))
+                await queue.put((index, None, None))
+            except Exception as exc:  # noqa: BLE001 - any failure ends the stream with an error body, never a hang
+                error = exc if isinstance(exc, ApiError) else ApiError(grpc.StatusCode.INTERNAL, f"internal: {exc}")
+                await queue.put((index, None, error))
+
+        tasks = [asyncio.create_task(pump(i, run)) for i, run in enumerate(runs)]
+        usages: list[common_pb2.Usage] = []
+        try:
+            first = [True] * len(runs)
             if options.chat or options.echo:
-                yield _sse(shape.delta(params.prompt_text if options.echo else None, None, first=True))
-                first = False
-            while (chunk := await _next_chunk(it)) is not None:
+                for i in range(len(runs)):
+                    yield _sse(shape.delta(i, params.prompt_text if options.echo else None, None, first=True))
+                    first[i] = False
+            running = len(runs)
+            while running:
+                index, chunk, error = await queue.get()
+                if error is not None:
+                    for run in runs:
+                        run.cancel()
+                    yield _sse(error_body(error))
+                    break
+                if chunk is None:
+                    running -= 1
+                    continue
                 finish = _FINISH.get(chunk.finish_reason) if chunk.finish_reason else None
                 if chunk.text_delta or finish or chunk.logprobs:
-                    yield _sse(shape.delta(chunk.text_delta, finish, first=first, logprobs=chunk.logprobs))
-                    first = False
+                    yield _sse(shape.delta(index, chunk.text_delta, finish, first=first[index],
+                                           logprobs=chunk.logprobs))
+                    first[index] = False
                 if chunk.finish_reason:
-                    usage = chunk.usage
-            if options.include_usage and usage is not None:
-                yield _sse(shape.usage_chunk(usage))
-        except ApiError as exc:
-            yield _sse(error_body(exc))
+                    usages.append(chunk.usage)
+            else:
+                if options.include_usage and usages:
+                    yield _sse(shape.usage_chunk(merged_usage(usages)))
         except BaseException:
-            run.cancel()  # client gone (the response task is cancelled): the workers stop too
+            for run in runs:
+                run.cancel()  # client gone (the response task is cancelled): the workers stop too
             raise
+        finally:
+            for task in tasks:
+                task.cancel()
         yield b"data: [DONE]\n\n"
 
     return app

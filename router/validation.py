@@ -26,6 +26,7 @@ DEFAULT_MAX_TOKENS = 64
 MAX_TEMPERATURE = 100.0
 MAX_SEED = 2**63
 MAX_REQUEST_ID_LEN = 256
+MAX_CHOICES = 16             # OpenAI's n
 _CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
@@ -79,6 +80,7 @@ class OpenAIOptions:
     include_usage: bool = False
     echo: bool = False
     chat: bool = False
+    n: int = 1                     # choices per request: n runs of the prompt, seeds seed, seed + 1, ...
     messages: tuple[dict, ...] = field(default_factory=tuple)
 
 
@@ -136,6 +138,16 @@ def build_sampling(prefix: str, *, max_tokens: int | None, temperature: float, t
                           repetition_penalty=1.0 if repetition_penalty is None else float(repetition_penalty),
                           presence_penalty=float(presence_penalty), frequency_penalty=float(frequency_penalty),
                           logprobs=logprobs)
+
+
+def choice_params(params: GenerateParams, n: int) -> list[GenerateParams]:
+    """The runs of an n-choice request: ids `<id>-<i>` and seeds seed + i (each choice reproducible on its own;
+    greedy choices are identical, as in vLLM). One choice is the request itself."""
+    if n == 1:
+        return [params]
+    seed = params.sampling.seed or 0
+    return [replace(params, request_id=f"{params.request_id}-{i}",
+                    sampling=replace(params.sampling, seed=(seed + i) % MAX_SEED)) for i in range(n)]
 
 
 def check_request_id(request_id: str, param: str = "request_id") -> str:
@@ -242,10 +254,9 @@ def _stop(body: Mapping[str, Any]) -> list[str]:
 
 def _unsupported(body: Mapping[str, Any]) -> None:
     """Reject options this server would otherwise silently ignore (an ignored option is a wrong answer)."""
-    for key in ("n", "best_of"):
-        value = body.get(key)
-        if value is not None and value != 1:
-            raise invalid(key, f"{key} must be 1 (one choice per request is supported), got {value!r}")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != body.get("n", 1):
+        raise invalid("best_of", f"best_of must equal n (ranking extra candidates is not supported), got {best_of!r}")
     if body.get("logit_bias"):
         raise invalid("logit_bias", "logit_bias is not supported yet; omit it")
     if body.get("tools") or body.get("functions"):
@@ -305,6 +316,13 @@ def _openai_sampling(body: Mapping[str, Any], max_tokens_keys: Sequence[str],
     return sampling, explicit
 
 
+def _choices(body: Mapping[str, Any]) -> int:
+    n = _typed(body, "n", (int,), f"an integer in [1, {MAX_CHOICES}]", 1)
+    if not 1 <= n <= MAX_CHOICES:
+        raise invalid("n", f"n must be in [1, {MAX_CHOICES}], got {n}")
+    return n
+
+
 def _stream_options(body: Mapping[str, Any]) -> tuple[bool, bool]:
     stream = bool(_typed(body, "stream", (bool,), "a boolean", False))
     options = _typed(body, "stream_options", (dict,), "an object", {})
@@ -345,7 +363,7 @@ def from_completion(body: Mapping[str, Any], models: Mapping[str, ModelLimits],
     stream, include_usage = _stream_options(body)
     echo = bool(_typed(body, "echo", (bool,), "a boolean", False))
     return (GenerateParams(prompt_text=text, prompt_ids=ids, **common),
-            OpenAIOptions(stream=stream, include_usage=include_usage, echo=echo))
+            OpenAIOptions(stream=stream, include_usage=include_usage, echo=echo, n=_choices(body)))
 
 
 def check_messages(body: Mapping[str, Any]) -> tuple[dict, ...]:
@@ -381,9 +399,10 @@ def from_chat(body: Mapping[str, Any], models: Mapping[str, ModelLimits], reques
     text = render(messages)
     # NOTE: the template already wrote any special tokens; adding a BOS again would change the prompt.
     return (GenerateParams(prompt_text=text, prompt_ids=None, add_special_tokens=False, **common),
-            OpenAIOptions(stream=stream, include_usage=include_usage, chat=True, messages=messages))
+            OpenAIOptions(stream=stream, include_usage=include_usage, chat=True, messages=messages,
+                          n=_choices(body)))
 
 
 __all__ = ["ApiError", "GenerateParams", "ModelLimits", "OpenAIOptions", "build_sampling", "check_messages",
-           "check_prompt", "effective_salt", "from_chat", "from_completion", "from_grpc", "invalid",
+           "choice_params", "check_prompt", "effective_salt", "from_chat", "from_completion", "from_grpc", "invalid",
            "resolve_model", "DEFAULT_MAX_TOKENS"]

@@ -94,6 +94,36 @@ def test_chat_logprobs_and_top_logprobs(client):
     assert streamed == [e.token for e in content]
 
 
+def test_n_choices_whole_and_streamed_each_reproducible_alone(client):
+    args = dict(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=40, extra_body={"ignore_eos": True})
+    whole = client.completions.create(n=3, **args)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    texts = [c.text for c in whole.choices]
+    assert len(set(texts)) > 1, "three seeds gave three identical samples"
+    assert whole.usage.completion_tokens == 24 and whole.usage.prompt_tokens > 16
+    alone = client.completions.create(**{**args, "seed": 42})  # choice i samples with seed + i
+    assert alone.choices[0].text == texts[2]
+    chunks = list(client.completions.create(n=3, stream=True, stream_options={"include_usage": True}, **args))
+    streamed = ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in range(3)]
+    assert streamed == texts
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"] * 3
+    assert chunks[-1].usage.completion_tokens == 24
+
+
+def test_chat_n_choices_stream_a_role_delta_each(client):
+    messages = [{"role": "user", "content": "Add two numbers."}]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, n=2, seed=1,
+                                                 temperature=1.0, stream=True))
+    roles = [c.choices[0].index for c in chunks if c.choices and c.choices[0].delta.role == "assistant"]
+    assert sorted(roles) == [0, 1]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, n=2, seed=1,
+                                           temperature=1.0)
+    for i in range(2):
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+        assert text == whole.choices[i].message.content
+
+
 def test_options_left_out_take_the_models_generation_config_defaults(client):
     """As vLLM's OpenAI server does: the bundled model's generation_config.json (temperature 0.3, top_p 0.9,
     repetition_penalty 1.3) fills what the request leaves out, so these two requests sample identically."""

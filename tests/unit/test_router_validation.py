@@ -111,7 +111,9 @@ def test_check_prompt_shortens_the_default_max_tokens_to_the_room_left():
     ({}, "prompt"),
     ({"prompt": ""}, "prompt"),
     ({"prompt": ["a", "b"]}, "prompt"),
-    ({"prompt": "hi", "n": 2}, "n"),
+    ({"prompt": "hi", "n": 0}, "n"),
+    ({"prompt": "hi", "n": 17}, "n"),
+    ({"prompt": "hi", "n": 2, "best_of": 3}, "best_of"),
     ({"prompt": "hi", "logprobs": 21}, "logprobs"),
     ({"prompt": "hi", "logprobs": -1}, "logprobs"),
     ({"prompt": "hi", "logprobs": True}, "logprobs"),
@@ -174,6 +176,19 @@ def test_logprobs_options_of_each_door():
     assert http_error({**chat, "logprobs": 3}, chat=True).param == "logprobs"  # a boolean in chat
     assert from_completion({"model": "tiny", "prompt": "hi", "logprobs": 3}, MODELS, "r")[0].sampling.logprobs == 3
     assert from_completion({"model": "tiny", "prompt": "hi"}, MODELS, "r")[0].sampling.logprobs is None
+
+
+def test_n_choices_are_runs_with_consecutive_seeds_and_their_own_ids():
+    from router.validation import choice_params
+
+    params, opts = from_completion({"model": "tiny", "prompt": "hi", "n": 3, "seed": 2**63 - 2}, MODELS, "r")
+    assert opts.n == 3
+    runs = choice_params(params, opts.n)
+    assert [r.request_id for r in runs] == ["r-0", "r-1", "r-2"]
+    assert [r.sampling.seed for r in runs] == [2**63 - 2, 2**63 - 1, 0]
+    assert choice_params(params, 1) == [params]
+    drawn, _ = from_completion({"model": "tiny", "prompt": "hi", "n": 2}, MODELS, "r")
+    assert drawn.sampling.seed is not None  # drawn once: the choices differ, a retry of one reproduces it
 
 
 def test_effective_salt_binds_the_salt_to_the_caller():
