@@ -5,8 +5,8 @@ counter-based generator (splitmix64), by inverse-CDF over the row's filtered dis
 stream's state, so the same request gives the same tokens in any batch, on any worker, after a preemption or a
 failover mid-generation. Requests without a seed take `u` from the engine's RNG. Greedy rows are exactly argmax.
 
-Penalties (repetition, presence, frequency; vLLM's and OpenAI's definitions) rewrite a copy of a penalised row's
-logits from the tokens it has seen before anything else, so greedy rows with a penalty take the argmax of the result.
+A logit bias and penalties (repetition, presence, frequency; vLLM's and OpenAI's definitions) rewrite a copy of the
+row's logits before anything else, so greedy rows with either take the argmax of the result.
 
 Each row's arithmetic is independent of the other rows: weights are `exp(x - row max)` (elementwise), the CDF is a
 sequential cumsum, so a row's draw is bit-identical alone or in any batch.
@@ -52,11 +52,12 @@ class Sampler:
         """`logits` [rows, vocab]; `params[i]`, `positions[i]` (the output index being drawn) describe row i;
         `seen[i]` = (prompt ids, output ids) of row i, needed only for rows whose params set a penalty."""
         assert logits.dim() == 2 and logits.shape[0] == len(params) == len(positions)
-        penalized = [i for i, p in enumerate(params) if p.penalized]
-        if penalized:
-            if seen is None:
+        adjusted = [i for i, p in enumerate(params) if p.adjusts_logits]
+        if adjusted:
+            if seen is None and any(params[i].penalized for i in adjusted):
                 raise ValueError("penalties need the tokens each row has seen (pass `seen`)")
-            logits = apply_penalties(logits, [(i, params[i], seen[i]) for i in penalized])
+            logits = apply_penalties(logits, [(i, params[i], seen[i] if seen is not None else None)
+                                              for i in adjusted])
         random_rows = [i for i, p in enumerate(params) if p.temperature != 0.0]
         if not random_rows:
             return _argmax(logits)
@@ -137,14 +138,23 @@ def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], num_top: Sequ
 
 
 def apply_penalties(logits: torch.Tensor,
-                    rows: Sequence[tuple[int, SamplingParams, tuple[Sequence[int], Sequence[int]]]]) -> torch.Tensor:
-    """A copy of `logits` with each listed row penalised. Repetition (HF/vLLM): every token in the prompt or the
-    output has a positive logit divided by the penalty and a negative one multiplied by it. Presence / frequency
-    (OpenAI): minus `presence` once and `frequency` per occurrence, over the output tokens only."""
+                    rows: Sequence[tuple[int, SamplingParams, tuple[Sequence[int], Sequence[int]] | None]]
+                    ) -> torch.Tensor:
+    """A copy of `logits` with each listed row biased, then penalised (vLLM's order). Repetition (HF/vLLM): every token in the
+    prompt or the output has a positive logit divided by the penalty and a negative one multiplied by it. Presence /
+    frequency (OpenAI): minus `presence` once and `frequency` per occurrence, over the output tokens only. Logit bias
+    (OpenAI): the value added to its token's logit (ids outside the vocabulary are refused at the door)."""
     out = logits.clone()
     vocab = logits.shape[1]
-    for i, p, (prompt_ids, output_ids) in rows:
+    for i, p, seen in rows:
         row = out[i]
+        if p.logit_bias:
+            ids = torch.tensor([t for t, _ in p.logit_bias if t < vocab], dtype=torch.long, device=row.device)
+            row.index_add_(0, ids, torch.tensor([b for t, b in p.logit_bias if t < vocab], dtype=row.dtype,
+                                                device=row.device))
+        if not p.penalized:
+            continue
+        prompt_ids, output_ids = seen
         if p.repetition_penalty != 1.0:
             ids = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=row.device)
             picked = row.index_select(0, ids)

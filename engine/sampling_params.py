@@ -21,6 +21,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None       # per output token: its log probability and the N most likely (0 = its own)
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, added to its logit in [-100, 100]); a dict works
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -40,6 +41,13 @@ class SamplingParams:
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (or unset), got {self.logprobs!r}")
         if self.seed is not None and not (0 <= self.seed < 2**63):
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed!r}")
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        bias = tuple(sorted((int(t), float(b)) for t, b in bias))
+        for token_id, value in bias:
+            if token_id < 0 or not (-100.0 <= value <= 100.0):
+                raise ValueError(f"logit_bias must map token ids >= 0 to values in [-100, 100], got "
+                                 f"{token_id}: {value}")
+        object.__setattr__(self, "logit_bias", bias)
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -55,6 +63,11 @@ class SamplingParams:
     def penalized(self) -> bool:
         """Whether logits depend on the tokens seen so far (then the sampler needs them)."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the sampler draws from a rewritten copy of the logits (penalties or a logit bias)."""
+        return self.penalized or bool(self.logit_bias)
 
     # The generation_config.json keys a model may set as its defaults (vLLM's `--generation-config auto`).
     DEFAULT_KEYS = ("temperature", "top_k", "top_p", "repetition_penalty")

@@ -21,8 +21,8 @@ from prefill_worker.kv_export import KvExporter
 from strata.v1 import common_pb2, worker_pb2
 from worker_common.admission import admit
 from worker_common.config import WorkerConfig
-from worker_common.convert import (InvalidArgument, check_prompt, logprobs_to_proto, sampling_from_proto,
-                                   stop_reason_fields)
+from worker_common.convert import (InvalidArgument, check_prompt, check_vocab, logprobs_to_proto,
+                                   sampling_from_proto, stop_reason_fields)
 from worker_common.engine_loop import Tracked
 from worker_common.engine_setup import EngineBundle
 from worker_common.handoff_pool import HandoffPool
@@ -90,7 +90,7 @@ class PrefillService(WorkerBase):
     def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.ServicerContext):
         self.exporter.worker_address = self.address
         try:
-            params = sampling_from_proto(request.sampling)
+            params = check_vocab(sampling_from_proto(request.sampling), self.bundle.runner.vocab_size)
             prompt = check_prompt(request.token_ids, self.bundle.runner.vocab_size, self.bundle.max_model_len)
         except InvalidArgument as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

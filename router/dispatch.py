@@ -107,8 +107,9 @@ class Dispatcher:
         """Tokenize and check the prompt, claim the request id; `run.events()` then routes and streams."""
         model = self.models[params.model]
         prompt = model.tokenize(params)
-        sampling = check_prompt(params, prompt, model.limits,
-                                ids_param="prompt.token_ids" if door == "grpc" else "prompt")
+        grpc_door = door == "grpc"
+        sampling = check_prompt(params, prompt, model.limits, ids_param="prompt.token_ids" if grpc_door else "prompt",
+                                bias_param="sampling.logit_bias" if grpc_door else "logit_bias")
         default = self.config.default_timeout_s
         timeout = default if timeout_s is None else min(timeout_s, default)
         run = RequestRun(self, params, model, prompt, sampling, effective_salt(params.cache_salt, identity),

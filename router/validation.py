@@ -104,7 +104,7 @@ def build_sampling(prefix: str, *, max_tokens: int | None, temperature: float, t
                    include_stop_str_in_output: bool, draw_seed: Callable[[], int] | None = None,
                    repetition_penalty: float | None = None, presence_penalty: float = 0.0,
                    frequency_penalty: float = 0.0, logprobs: int | None = None,
-                   logprobs_param: str = "logprobs") -> SamplingParams:
+                   logprobs_param: str = "logprobs", logit_bias: Mapping[int, float] | None = None) -> SamplingParams:
     """Range checks with the door's field names; an unset seed is drawn here, so a retry on another worker
     continues the same random stream (docs/api.md: "the same tokens on any worker, after a failover too")."""
     if max_tokens is not None and max_tokens < 1:
@@ -127,6 +127,10 @@ def build_sampling(prefix: str, *, max_tokens: int | None, temperature: float, t
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise invalid(f"{prefix}{logprobs_param}",
                       f"{prefix}{logprobs_param} must be in [0, {MAX_LOGPROBS}], got {logprobs}")
+    for token_id, value in (logit_bias or {}).items():
+        if token_id < 0 or not (math.isfinite(value) and -100.0 <= value <= 100.0):
+            raise invalid(f"{prefix}logit_bias", f"{prefix}logit_bias must map token ids >= 0 to values in "
+                                                 f"[-100, 100], got {token_id}: {value}")
     if any(not isinstance(s, str) or not s for s in stop):
         raise invalid(f"{prefix}stop", f"{prefix}stop strings must be non-empty strings, got {list(stop)!r}")
     if seed is None and draw_seed is not None:
@@ -137,7 +141,7 @@ def build_sampling(prefix: str, *, max_tokens: int | None, temperature: float, t
                           include_stop_str_in_output=include_stop_str_in_output,
                           repetition_penalty=1.0 if repetition_penalty is None else float(repetition_penalty),
                           presence_penalty=float(presence_penalty), frequency_penalty=float(frequency_penalty),
-                          logprobs=logprobs)
+                          logprobs=logprobs, logit_bias=tuple((logit_bias or {}).items()))
 
 
 def choice_params(params: GenerateParams, n: int) -> list[GenerateParams]:
@@ -157,7 +161,8 @@ def check_request_id(request_id: str, param: str = "request_id") -> str:
 
 
 def check_prompt(params: GenerateParams, token_ids: Sequence[int], model: ModelLimits,
-                 ids_param: str = "prompt.token_ids", prompt_param: str = "prompt") -> SamplingParams:
+                 ids_param: str = "prompt.token_ids", prompt_param: str = "prompt",
+                 bias_param: str = "logit_bias") -> SamplingParams:
     """Token-level checks once the prompt is tokenized; returns the sampling params with max_tokens fitted.
 
     An explicit max_tokens that does not fit is an error; the default is shortened to the room left.
@@ -167,8 +172,11 @@ def check_prompt(params: GenerateParams, token_ids: Sequence[int], model: ModelL
     bad = next((t for t in token_ids if not 0 <= t < model.vocab_size), None)
     if bad is not None:
         raise invalid(ids_param, f"{ids_param} must be in [0, {model.vocab_size}), got {bad}")
-    room = model.max_model_len - len(token_ids)
     sampling = params.sampling
+    bad = next((t for t, _ in sampling.logit_bias if t >= model.vocab_size), None)
+    if bad is not None:
+        raise invalid(bias_param, f"{bias_param} token ids must be in [0, {model.vocab_size}), got {bad}")
+    room = model.max_model_len - len(token_ids)
     if room < 1:
         raise invalid(prompt_param, f"{prompt_param}: {len(token_ids)} tokens leave no room below max_model_len "
                                     f"{model.max_model_len}")
@@ -208,7 +216,7 @@ def from_grpc(request: Any, models: Mapping[str, ModelLimits]) -> GenerateParams
         include_stop_str_in_output=s.include_stop_str_in_output, draw_seed=draw_seed,
         repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else None,
         presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
-        logprobs=s.logprobs if s.HasField("logprobs") else None)
+        logprobs=s.logprobs if s.HasField("logprobs") else None, logit_bias=dict(s.logit_bias))
     opts = request.stream_options
     return GenerateParams(
         model=model.id, prompt_text=request.text if kind == "text" else None,
@@ -257,8 +265,6 @@ def _unsupported(body: Mapping[str, Any]) -> None:
     best_of = body.get("best_of")
     if best_of is not None and best_of != body.get("n", 1):
         raise invalid("best_of", f"best_of must equal n (ranking extra candidates is not supported), got {best_of!r}")
-    if body.get("logit_bias"):
-        raise invalid("logit_bias", "logit_bias is not supported yet; omit it")
     if body.get("tools") or body.get("functions"):
         raise invalid("tools", "tools / function calling are not supported; omit tools")
     fmt = body.get("response_format")
@@ -266,6 +272,21 @@ def _unsupported(body: Mapping[str, Any]) -> None:
         raise invalid("response_format", f"response_format must be {{'type': 'text'}}, got {fmt!r}")
     if body.get("suffix"):
         raise invalid("suffix", "suffix is not supported; omit it")
+
+
+def _logit_bias(body: Mapping[str, Any]) -> dict[int, float]:
+    """OpenAI's `{"<token id>": bias}` (JSON keys are strings)."""
+    raw = _typed(body, "logit_bias", (dict,), "an object mapping token ids to numbers", {})
+    bias = {}
+    for key, value in raw.items():
+        try:
+            token_id = int(key)
+        except (TypeError, ValueError):
+            raise invalid("logit_bias", f"logit_bias keys must be token ids, got {key!r}") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise invalid("logit_bias", f"logit_bias values must be numbers in [-100, 100], got {value!r}")
+        bias[token_id] = float(value)
+    return bias
 
 
 def _completion_logprobs(body: Mapping[str, Any]) -> tuple[int | None, str]:
@@ -312,7 +333,8 @@ def _openai_sampling(body: Mapping[str, Any], max_tokens_keys: Sequence[str],
         draw_seed=draw_seed,
         repetition_penalty=_number(body, "repetition_penalty", defaults.get("repetition_penalty")),
         presence_penalty=_number(body, "presence_penalty", 0.0),
-        frequency_penalty=_number(body, "frequency_penalty", 0.0), logprobs=logprobs, logprobs_param=logprobs_param)
+        frequency_penalty=_number(body, "frequency_penalty", 0.0), logprobs=logprobs, logprobs_param=logprobs_param,
+        logit_bias=_logit_bias(body))
     return sampling, explicit
 
 

@@ -43,7 +43,8 @@ class Completion:
 def sampling(max_tokens: int | None = None, temperature: float = 0.0, top_p: float | None = None, top_k: int = 0,
              seed: int | None = None, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
              ignore_eos: bool = False, repetition_penalty: float | None = None, presence_penalty: float = 0.0,
-             frequency_penalty: float = 0.0, logprobs: int | None = None) -> common_pb2.SamplingParams:
+             frequency_penalty: float = 0.0, logprobs: int | None = None,
+             logit_bias: dict[int, float] | None = None) -> common_pb2.SamplingParams:
     msg = common_pb2.SamplingParams(temperature=temperature, top_k=top_k, stop=list(stop),
                                     stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
                                     presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
@@ -57,6 +58,7 @@ def sampling(max_tokens: int | None = None, temperature: float = 0.0, top_p: flo
         msg.seed = seed
     if logprobs is not None:
         msg.logprobs = logprobs
+    msg.logit_bias.update(logit_bias or {})
     return msg
 
 

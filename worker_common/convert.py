@@ -40,7 +40,7 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
             seed=msg.seed if msg.HasField("seed") else None, stop=tuple(msg.stop),
             stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
             include_stop_str_in_output=msg.include_stop_str_in_output,
-            logprobs=msg.logprobs if msg.HasField("logprobs") else None)
+            logprobs=msg.logprobs if msg.HasField("logprobs") else None, logit_bias=tuple(msg.logit_bias.items()))
     except ValueError as exc:
         raise InvalidArgument(f"sampling.{exc}") from None
 
@@ -58,6 +58,7 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         msg.seed = params.seed
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
+    msg.logit_bias.update(dict(params.logit_bias))
     return msg
 
 
@@ -65,6 +66,14 @@ def logprobs_to_proto(entry: TokenLogprobs) -> common_pb2.TokenLogprobs:
     return common_pb2.TokenLogprobs(
         sampled=common_pb2.Logprob(token_id=entry.token_id, logprob=entry.logprob), rank=entry.rank,
         top=[common_pb2.Logprob(token_id=t, logprob=v) for t, v in entry.top])
+
+
+def check_vocab(params: SamplingParams, vocab_size: int) -> SamplingParams:
+    """Token ids in the sampling params (logit_bias) must be in the vocabulary."""
+    bad = next((t for t, _ in params.logit_bias if t >= vocab_size), None)
+    if bad is not None:
+        raise InvalidArgument(f"sampling.logit_bias token ids must be in [0, {vocab_size}), got {bad}")
+    return params
 
 
 def check_prompt(token_ids: Sequence[int], vocab_size: int, max_model_len: int) -> list[int]:

@@ -130,6 +130,18 @@ def test_logprobs_cross_the_router_and_match_the_engine_in_process(client, promp
     assert client.generate(prompt, max_tokens=2).logprobs == []
 
 
+def test_logit_bias_reaches_both_workers(client):
+    """A +100 bias makes every token the biased one: the prefill worker's first token and the decode worker's rest."""
+    out = client.generate(fresh(LONG_PROMPT), max_tokens=5, ignore_eos=True, logit_bias={1234: 100.0}, logprobs=1,
+                          include_metrics=True)
+    assert out.metrics.disaggregated and out.token_ids == [1234] * 5
+    assert [lp.sampled.token_id for lp in out.logprobs] == [1234] * 5
+    with pytest.raises(grpc.RpcError) as info:
+        client.generate(LONG_PROMPT, max_tokens=2, logit_bias={10**6: 1.0})
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "sampling.logit_bias" in info.value.details()
+
+
 def test_concurrent_requests_all_complete_with_their_own_ids(client):
     """Eight streams at once, half disaggregated and half local, through one router and two workers."""
     from concurrent.futures import ThreadPoolExecutor

@@ -124,6 +124,19 @@ def test_chat_n_choices_stream_a_role_delta_each(client):
         assert text == whole.choices[i].message.content
 
 
+def test_logit_bias_forces_a_token_and_unknown_ids_are_400(client):
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    forced = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0,
+                                       logit_bias={"1234": 100}, logprobs=0, extra_body={"ignore_eos": True})
+    token = forced.choices[0].logprobs.tokens[0]
+    assert forced.choices[0].logprobs.tokens == [token] * 4 and forced.choices[0].text == token * 4
+    assert forced.choices[0].text != plain.choices[0].text
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, logit_bias={"99999": 1})
+    assert info.value.body["param"] == "logit_bias"
+
+
 def test_options_left_out_take_the_models_generation_config_defaults(client):
     """As vLLM's OpenAI server does: the bundled model's generation_config.json (temperature 0.3, top_p 0.9,
     repetition_penalty 1.3) fills what the request leaves out, so these two requests sample identically."""

@@ -111,6 +111,10 @@ def test_check_prompt_shortens_the_default_max_tokens_to_the_room_left():
     ({}, "prompt"),
     ({"prompt": ""}, "prompt"),
     ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"5": "up"}}, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": [5]}, "logit_bias"),
     ({"prompt": "hi", "n": 0}, "n"),
     ({"prompt": "hi", "n": 17}, "n"),
     ({"prompt": "hi", "n": 2, "best_of": 3}, "best_of"),
@@ -176,6 +180,19 @@ def test_logprobs_options_of_each_door():
     assert http_error({**chat, "logprobs": 3}, chat=True).param == "logprobs"  # a boolean in chat
     assert from_completion({"model": "tiny", "prompt": "hi", "logprobs": 3}, MODELS, "r")[0].sampling.logprobs == 3
     assert from_completion({"model": "tiny", "prompt": "hi"}, MODELS, "r")[0].sampling.logprobs is None
+
+
+def test_logit_bias_is_parsed_from_string_keys_and_its_ids_checked_against_the_vocabulary():
+    params, _ = from_completion({"model": "tiny", "prompt": "hi", "logit_bias": {"5": 10, "2": -3.5}}, MODELS, "r")
+    assert params.sampling.logit_bias == ((2, -3.5), (5, 10.0))
+    vocab = MODELS["tiny"].vocab_size
+    far, _ = from_completion({"model": "tiny", "prompt": "hi", "logit_bias": {str(vocab): 1}}, MODELS, "r")
+    with pytest.raises(ApiError) as info:
+        check_prompt(far, [1, 2], MODELS["tiny"], bias_param="logit_bias")
+    assert info.value.param == "logit_bias" and f"[0, {vocab})" in info.value.message
+    grpc_params = from_grpc(make_grpc(logit_bias={3: 2.0}), MODELS)
+    assert grpc_params.sampling.logit_bias == ((3, 2.0),)
+    assert grpc_error(make_grpc(logit_bias={3: 200.0})).param == "sampling.logit_bias"
 
 
 def test_n_choices_are_runs_with_consecutive_seeds_and_their_own_ids():

@@ -160,3 +160,32 @@ def test_generation_config_gives_defaults_and_explicit_options_win():
     assert SamplingParams.from_generation_config(config, temperature=0.0).greedy
     assert SamplingParams.from_generation_config({**config, "do_sample": False}).greedy
     assert SamplingParams.from_generation_config({}) == SamplingParams()
+
+
+def test_logit_bias_is_added_before_sampling_and_only_to_its_row():
+    logits = make_logits(4, seed=8)
+    argmax = logits.argmax(dim=-1).tolist()
+    forced = SamplingParams(logit_bias={7: 100.0})
+    banned = SamplingParams(logit_bias={argmax[1]: -100.0})
+    tokens = Sampler().sample(logits, [forced, banned, SamplingParams(), forced], [0] * 4)
+    assert tokens[0] == tokens[3] == 7
+    second = logits[1].clone()
+    second[argmax[1]] -= 100.0
+    assert tokens[1] == int(second.argmax()) != argmax[1]
+    assert tokens[2] == argmax[2]
+    hot = SamplingParams(temperature=1.0, seed=5, logit_bias={7: 100.0})
+    assert {Sampler().sample(logits[:1], [hot], [p])[0] for p in range(20)} == {7}
+
+
+def test_logit_bias_comes_before_the_repetition_penalty_as_in_vllm():
+    logits = torch.zeros(1, VOCAB)
+    params = SamplingParams(repetition_penalty=2.0, logit_bias={3: 4.0})
+    out = apply_penalties(logits, [(0, params, ([3], []))])
+    assert out[0, 3].item() == 2.0  # (0 + 4) / 2, not 0 / 2 + 4
+
+
+def test_logit_bias_values_are_checked_and_stored_sorted():
+    assert SamplingParams(logit_bias={9: 1, 2: -1.5}).logit_bias == ((2, -1.5), (9, 1.0))
+    for bad in ({1: 101.0}, {-1: 1.0}):
+        with pytest.raises(ValueError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)
