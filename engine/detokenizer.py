@@ -47,6 +47,8 @@ class Detokenizer:
         self._stops = params.stop
         self._max_stop = max((len(s) for s in self._stops), default=0)
         self._include_stop = params.include_stop_str_in_output
+        self._min_tokens = params.min_tokens     # stop strings count only from this many outputs on (vLLM)
+        self._num_outputs = 0
         self._decoded = ""       # complete characters decoded so far (after a stop: truncated, final)
         self._released = 0       # how much of _decoded has been handed out
         self.stop: str | None = None
@@ -60,9 +62,10 @@ class Detokenizer:
         if self.stop is not None:
             return DetokenizeStep("", self.stop)
         self._ids.extend(token_ids)
+        self._num_outputs += len(token_ids)
         start = len(self._decoded)
         self._decoded += self._decode_new()
-        if self._stops and len(self._decoded) > start:
+        if self._stops and len(self._decoded) > start and self._num_outputs >= self._min_tokens:
             self._truncate_at_stop(start)
         release_to = len(self._decoded) if self.stop is not None else len(self._decoded) - self._holdback()
         return DetokenizeStep(self._release(release_to), self.stop)

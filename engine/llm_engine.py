@@ -109,8 +109,8 @@ class LLMEngine:
         assert logits.shape[0] == len(rows), "one logits row per sampled sequence (num_logits == 1)"
         requests = [step.requests[i] for i in rows]
         seen = [(r.prompt_token_ids, r.output_token_ids) if r.params.penalized else None for r in requests]
-        tokens = self.sampler.sample(logits, [r.params for r in requests], [r.num_output_tokens for r in requests],
-                                     seen)
+        tokens = self.sampler.sample(self._ban_early_stops(logits, requests), [r.params for r in requests],
+                                     [r.num_output_tokens for r in requests], seen)
         wanted = [j for j, r in enumerate(requests) if r.params.logprobs is not None]
         if wanted:
             # NOTE: from the raw logits (the sampler works on a penalised copy): vLLM's default logprobs mode
@@ -123,6 +123,20 @@ class LLMEngine:
         for i, token_id in zip(rows, tokens):
             sampled[i] = [token_id]
         return sampled
+
+    def _ban_early_stops(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        """A copy of `logits` where rows short of their min_tokens cannot draw an end-of-sequence or stop token
+        (`logits` itself stays raw for logprobs)."""
+        early = [(j, r.params) for j, r in enumerate(requests) if r.num_output_tokens < r.params.min_tokens]
+        if not early:
+            return logits
+        out = logits.clone()
+        for j, p in early:
+            banned = [t for t in (*p.stop_token_ids, *(() if p.ignore_eos else self.scheduler.eos_token_ids))
+                      if t < out.shape[1]]
+            if banned:
+                out[j, torch.tensor(banned, dtype=torch.long, device=out.device)] = float("-inf")
+        return out
 
     def _output(self, update: RequestUpdate) -> RequestOutput:
         request, new_ids = update

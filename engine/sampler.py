@@ -140,10 +140,10 @@ def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], num_top: Sequ
 def apply_penalties(logits: torch.Tensor,
                     rows: Sequence[tuple[int, SamplingParams, tuple[Sequence[int], Sequence[int]] | None]]
                     ) -> torch.Tensor:
-    """A copy of `logits` with each listed row biased, then penalised (vLLM's order). Repetition (HF/vLLM): every token in the
-    prompt or the output has a positive logit divided by the penalty and a negative one multiplied by it. Presence /
-    frequency (OpenAI): minus `presence` once and `frequency` per occurrence, over the output tokens only. Logit bias
-    (OpenAI): the value added to its token's logit (ids outside the vocabulary are refused at the door)."""
+    """A copy of `logits` with each listed row biased, then penalised (vLLM's order). Logit bias (OpenAI): the value
+    added to its token's logit (ids outside the vocabulary are refused at the door). Repetition (HF/vLLM): every token
+    in the prompt or the output has a positive logit divided by the penalty and a negative one multiplied by it.
+    Presence / frequency (OpenAI): minus `presence` once and `frequency` per occurrence, over the output tokens only."""
     out = logits.clone()
     vocab = logits.shape[1]
     for i, p, seen in rows:

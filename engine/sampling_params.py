@@ -9,6 +9,7 @@ MAX_LOGPROBS = 20  # as vLLM's default max_logprobs and OpenAI's top_logprobs bo
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 64
+    min_tokens: int = 0               # no end-of-sequence, stop token or stop string before this many outputs
     temperature: float = 0.0          # 0 means greedy
     top_k: int = 0                    # 0 means off
     top_p: float = 1.0                # 1 means off
@@ -26,6 +27,9 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+                             f"got {self.min_tokens!r}")
         if not (0.0 <= self.temperature <= 100.0):
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:

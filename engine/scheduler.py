@@ -190,7 +190,8 @@ class Scheduler:
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.params
-        if (token_id in self.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
+        if request.num_output_tokens > params.min_tokens and (
+                (token_id in self.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids):
             return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH

@@ -110,7 +110,7 @@ class PrefillService(WorkerBase):
         payloads = load_prefix(self.bundle, self.store, cacheable, job.fingerprint)
         load_s = time.perf_counter() - started
         # The engine stops after the first token; stop strings stay on the worker's text side.
-        params = dataclasses.replace(engine_params(job.params), max_tokens=1)
+        params = dataclasses.replace(engine_params(job.params), max_tokens=1, min_tokens=min(job.params.min_tokens, 1))
         try:
             self.loop.post(lambda: admit(self.loop, job, job.request_id, job.prompt, params, job.fingerprint,
                                          cacheable, payloads)).result()

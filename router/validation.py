@@ -104,7 +104,8 @@ def build_sampling(prefix: str, *, max_tokens: int | None, temperature: float, t
                    include_stop_str_in_output: bool, draw_seed: Callable[[], int] | None = None,
                    repetition_penalty: float | None = None, presence_penalty: float = 0.0,
                    frequency_penalty: float = 0.0, logprobs: int | None = None,
-                   logprobs_param: str = "logprobs", logit_bias: Mapping[int, float] | None = None) -> SamplingParams:
+                   logprobs_param: str = "logprobs", logit_bias: Mapping[int, float] | None = None,
+                   min_tokens: int = 0) -> SamplingParams:
     """Range checks with the door's field names; an unset seed is drawn here, so a retry on another worker
     continues the same random stream (docs/api.md: "the same tokens on any worker, after a failover too")."""
     if max_tokens is not None and max_tokens < 1:
@@ -124,6 +125,9 @@ def build_sampling(prefix: str, *, max_tokens: int | None, temperature: float, t
             raise invalid(f"{prefix}{name}", f"{prefix}{name} must be in [-2, 2] (0 = off), got {value}")
     if seed is not None and not 0 <= seed < MAX_SEED:
         raise invalid(f"{prefix}seed", f"{prefix}seed must be in [0, 2**63), got {seed}")
+    if not 0 <= min_tokens <= (max_tokens or DEFAULT_MAX_TOKENS):
+        raise invalid(f"{prefix}min_tokens", f"{prefix}min_tokens must be in [0, max_tokens="
+                                             f"{max_tokens or DEFAULT_MAX_TOKENS}], got {min_tokens}")
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise invalid(f"{prefix}{logprobs_param}",
                       f"{prefix}{logprobs_param} must be in [0, {MAX_LOGPROBS}], got {logprobs}")
@@ -141,7 +145,8 @@ def build_sampling(prefix: str, *, max_tokens: int | None, temperature: float, t
                           include_stop_str_in_output=include_stop_str_in_output,
                           repetition_penalty=1.0 if repetition_penalty is None else float(repetition_penalty),
                           presence_penalty=float(presence_penalty), frequency_penalty=float(frequency_penalty),
-                          logprobs=logprobs, logit_bias=tuple((logit_bias or {}).items()))
+                          logprobs=logprobs, logit_bias=tuple((logit_bias or {}).items()),
+                          min_tokens=min_tokens)
 
 
 def choice_params(params: GenerateParams, n: int) -> list[GenerateParams]:
@@ -184,7 +189,7 @@ def check_prompt(params: GenerateParams, token_ids: Sequence[int], model: ModelL
         if params.max_tokens_explicit:
             raise invalid(prompt_param, f"{prompt_param}: {len(token_ids)} tokens + max_tokens {sampling.max_tokens} "
                                         f"exceed max_model_len {model.max_model_len}")
-        sampling = replace(sampling, max_tokens=room)
+        sampling = replace(sampling, max_tokens=room, min_tokens=min(sampling.min_tokens, room))
     return sampling
 
 
@@ -216,7 +221,8 @@ def from_grpc(request: Any, models: Mapping[str, ModelLimits]) -> GenerateParams
         include_stop_str_in_output=s.include_stop_str_in_output, draw_seed=draw_seed,
         repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else None,
         presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
-        logprobs=s.logprobs if s.HasField("logprobs") else None, logit_bias=dict(s.logit_bias))
+        logprobs=s.logprobs if s.HasField("logprobs") else None, logit_bias=dict(s.logit_bias),
+        min_tokens=s.min_tokens)
     opts = request.stream_options
     return GenerateParams(
         model=model.id, prompt_text=request.text if kind == "text" else None,
@@ -334,7 +340,7 @@ def _openai_sampling(body: Mapping[str, Any], max_tokens_keys: Sequence[str],
         repetition_penalty=_number(body, "repetition_penalty", defaults.get("repetition_penalty")),
         presence_penalty=_number(body, "presence_penalty", 0.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0), logprobs=logprobs, logprobs_param=logprobs_param,
-        logit_bias=_logit_bias(body))
+        logit_bias=_logit_bias(body), min_tokens=_integer(body, "min_tokens", 0))
     return sampling, explicit
 
 

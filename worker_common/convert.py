@@ -33,7 +33,7 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         raise InvalidArgument(f"sampling.repetition_penalty must be in (0, 10], got {msg.repetition_penalty}")
     try:
         return SamplingParams(
-            max_tokens=max_tokens, temperature=msg.temperature, top_k=msg.top_k,
+            max_tokens=max_tokens, min_tokens=msg.min_tokens, temperature=msg.temperature, top_k=msg.top_k,
             top_p=msg.top_p if msg.HasField("top_p") else 1.0,
             repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
             presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
@@ -46,7 +46,8 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
 
 
 def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
-    msg = common_pb2.SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature,
+    msg = common_pb2.SamplingParams(max_tokens=params.max_tokens, min_tokens=params.min_tokens,
+                                    temperature=params.temperature,
                                     top_k=params.top_k, top_p=params.top_p, stop=list(params.stop),
                                     stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
                                     include_stop_str_in_output=params.include_stop_str_in_output,

@@ -142,6 +142,17 @@ def test_logit_bias_reaches_both_workers(client):
     assert "sampling.logit_bias" in info.value.details()
 
 
+def test_min_tokens_holds_off_a_stop_token(client):
+    prompt = fresh(LONG_PROMPT)
+    free = client.generate(prompt, max_tokens=6, ignore_eos=True, cache_salt="free")
+    stop = free.token_ids[0]
+    assert client.generate(prompt, max_tokens=6, ignore_eos=True, stop_token_ids=[stop],
+                           cache_salt="stop").token_ids == [stop]
+    held = client.generate(prompt, max_tokens=6, ignore_eos=True, stop_token_ids=[stop], min_tokens=4,
+                           cache_salt="held")
+    assert len(held.token_ids) >= 4 and stop not in held.token_ids[:4]
+
+
 def test_concurrent_requests_all_complete_with_their_own_ids(client):
     """Eight streams at once, half disaggregated and half local, through one router and two workers."""
     from concurrent.futures import ThreadPoolExecutor

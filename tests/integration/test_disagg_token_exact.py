@@ -111,6 +111,18 @@ def test_logprobs_match_one_engine_first_token_from_prefill_rest_from_decode(wor
 
 
 @pytest.mark.timeout(600)
+def test_min_tokens_is_held_by_the_prefill_worker_too(workers, reference):
+    """The first token, sampled on the prefill worker, may not be a stop token before min_tokens either."""
+    prompt = make_prompt(random.Random(5), 37)
+    first = reference.generate([prompt], greedy(4))[0].token_ids[0]
+    params = greedy(8, stop_token_ids=(first,), min_tokens=3)
+    want = reference.generate([prompt], params)[0]
+    got = disaggregated(workers[0].stub(), workers[1].stub(), "min-tokens", prompt, params)
+    assert_same(got, want)
+    assert got.token_ids[0] != first and got.prefill.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED
+
+
+@pytest.mark.timeout(600)
 def test_sixteen_concurrent_requests_with_shared_prefixes_match_one_engine(workers, reference):
     rng = random.Random(16)
     system_a, system_b = make_prompt(rng, 40), make_prompt(rng, 23)

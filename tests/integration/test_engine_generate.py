@@ -164,3 +164,25 @@ def test_logprobs_zero_gives_the_sampled_token_only_and_unset_gives_none(tiny_ch
     assert plain.logprobs is None and plain.new_logprobs is None
     with pytest.raises(ValueError, match="logprobs must be an integer in \\[0, 20\\]"):
         SamplingParams(logprobs=21)
+
+
+def test_min_tokens_holds_off_stop_tokens_and_stop_strings(tiny_checkpoint):
+    ckpt = tiny_checkpoint("llama")
+    llm = LLM(str(ckpt.path), num_blocks=128, block_size=4)
+    prompt = make_prompts(1, seed=13)[0]
+    free = llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    first = free.token_ids[0]
+    stopped = llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True, stop_token_ids=(first,)))[0]
+    assert stopped.token_ids == [first] and stopped.finish_reason == "stop"
+    held = llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True, stop_token_ids=(first,),
+                                                 min_tokens=3))[0]
+    assert first not in held.token_ids[:3] and len(held.token_ids) >= 3
+    assert held.token_ids[:1] != [first]
+    text_stop = free.text.split()[0] if free.text.split() else free.text[:1]
+    by_text = llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True, stop=(text_stop,)))[0]
+    late = llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True, stop=(text_stop,),
+                                                 min_tokens=8))[0]
+    assert by_text.finish_reason == "stop" and len(by_text.token_ids) < 8
+    assert late.token_ids == free.token_ids and late.finish_reason == "length"
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5)

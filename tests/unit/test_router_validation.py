@@ -43,6 +43,7 @@ def http_error(body: dict, chat: bool = False) -> ApiError:
     ({"seed": 2**63}, "sampling.seed", "[0, 2**63)"),
     ({"stop": [""]}, "sampling.stop", "non-empty"),
     ({"logprobs": 21}, "sampling.logprobs", "[0, 20]"),
+    ({"max_tokens": 3, "min_tokens": 4}, "sampling.min_tokens", "[0, max_tokens=3]"),
 ])
 def test_grpc_sampling_out_of_range_is_invalid_argument_naming_the_field(sampling, field, fragment):
     err = grpc_error(make_grpc(**sampling))
@@ -115,6 +116,8 @@ def test_check_prompt_shortens_the_default_max_tokens_to_the_room_left():
     ({"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
     ({"prompt": "hi", "logit_bias": {"5": "up"}}, "logit_bias"),
     ({"prompt": "hi", "logit_bias": [5]}, "logit_bias"),
+    ({"prompt": "hi", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+    ({"prompt": "hi", "min_tokens": -1}, "min_tokens"),
     ({"prompt": "hi", "n": 0}, "n"),
     ({"prompt": "hi", "n": 17}, "n"),
     ({"prompt": "hi", "n": 2, "best_of": 3}, "best_of"),
@@ -193,6 +196,13 @@ def test_logit_bias_is_parsed_from_string_keys_and_its_ids_checked_against_the_v
     grpc_params = from_grpc(make_grpc(logit_bias={3: 2.0}), MODELS)
     assert grpc_params.sampling.logit_bias == ((3, 2.0),)
     assert grpc_error(make_grpc(logit_bias={3: 200.0})).param == "sampling.logit_bias"
+
+
+def test_min_tokens_follows_a_max_tokens_shortened_to_the_context():
+    params, _ = from_completion({"model": "tiny", "prompt": "hi", "min_tokens": 20}, MODELS, "r")
+    room = MODELS["tiny"].max_model_len - 60
+    sampling = check_prompt(params, [1] * 60, MODELS["tiny"])
+    assert (sampling.max_tokens, sampling.min_tokens) == (room, min(20, room))
 
 
 def test_n_choices_are_runs_with_consecutive_seeds_and_their_own_ids():
