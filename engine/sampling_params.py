@@ -9,7 +9,6 @@ MAX_LOGPROBS = 20  # as vLLM's default max_logprobs and OpenAI's top_logprobs bo
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 64
-    min_tokens: int = 0               # no end-of-sequence, stop token or stop string before this many outputs
     temperature: float = 0.0          # 0 means greedy
     top_k: int = 0                    # 0 means off
     top_p: float = 1.0                # 1 means off
@@ -23,6 +22,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None       # per output token: its log probability and the N most likely (0 = its own)
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, added to its logit in [-100, 100]); a dict works
+    min_tokens: int = 0               # no end-of-sequence, stop token or stop string before this many outputs
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
