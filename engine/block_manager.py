@@ -89,8 +89,8 @@ class BlockManager:
         return self._tables.get(request_id, [])
 
     def match_prefix(self, request: Request) -> PrefixMatch:
-        if not self.enable_prefix_caching:
-            return PrefixMatch([], 0)
+        if not self.enable_prefix_caching or request.needs_prompt_logprobs:
+            return PrefixMatch([], 0)  # NOTE: prompt logprobs need the logits of every prompt position (as vLLM)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = self._hashes_upto(request, max_blocks)
         block_ids: list[int] = []

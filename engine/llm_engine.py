@@ -105,8 +105,10 @@ class LLMEngine:
         return [final[i] for i in ids]
 
     def _sample(self, step: ScheduledStep, logits: torch.Tensor) -> list[list[int]]:
-        rows = [i for i, seq in enumerate(step.batch.seqs) if seq.num_logits]
-        assert logits.shape[0] == len(rows), "one logits row per sampled sequence (num_logits == 1)"
+        if logits.shape[0] != sum(1 for seq in step.batch.seqs if seq.num_logits):
+            logits, rows = self._prompt_logprobs(step, logits)  # some sequences have a row per prompt position
+        else:
+            rows = [i for i, seq in enumerate(step.batch.seqs) if seq.num_logits]
         requests = [step.requests[i] for i in rows]
         seen = [(r.prompt_token_ids, r.output_token_ids) if r.params.penalized else None for r in requests]
         tokens = self.sampler.sample(self._ban_early_stops(logits, requests), [r.params for r in requests],
@@ -123,6 +125,29 @@ class LLMEngine:
         for i, token_id in zip(rows, tokens):
             sampled[i] = [token_id]
         return sampled
+
+    def _prompt_logprobs(self, step: ScheduledStep, logits: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """Record the prompt logprobs of the rows that predict prompt tokens; the logits rows to sample from and
+        their sequences' indices. A sequence's rows are its chunk's positions p (predicting token p + 1)."""
+        sample_rows, seq_indices, base = [], [], 0
+        for i, (seq, request) in enumerate(zip(step.batch.seqs, step.requests)):
+            n = seq.num_logits
+            if n > 1 or (n == 1 and request.needs_prompt_logprobs):
+                first = seq.start_pos + len(seq.token_ids) - n                       # position of the first row
+                prompt = request.prompt_token_ids
+                end = min(first + n, len(prompt) - 1)                            # rows predicting prompt tokens
+                have = len(request.prompt_logprobs)      # NOTE: > first when a preempted request recomputes
+                assert have >= first, "prompt chunks run in order from position 0 (no prefix hit)"
+                if have < end:
+                    rows = logits[base + have - first:base + end - first]
+                    entries = token_logprobs(rows, prompt[have + 1:end + 1],
+                                             [request.params.prompt_logprobs] * len(rows))
+                    request.prompt_logprobs.extend(TokenLogprobs(*e) for e in entries)
+            if n and seq.start_pos + len(seq.token_ids) == request.num_tokens:
+                sample_rows.append(base + n - 1)
+                seq_indices.append(i)
+            base += n
+        return logits[torch.tensor(sample_rows, dtype=torch.long, device=logits.device)], seq_indices
 
     def _ban_early_stops(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         """A copy of `logits` where rows short of their min_tokens cannot draw an end-of-sequence or stop token
@@ -152,9 +177,12 @@ class LLMEngine:
                 request.output_logprobs = []
             request.output_logprobs.extend(new_logprobs)
             logprobs = list(request.output_logprobs)
+        prompt_logprobs = None
+        if request.params.prompt_logprobs is not None and not request.needs_prompt_logprobs:
+            prompt_logprobs = [None, *request.prompt_logprobs]
         return RequestOutput(request.request_id, new_ids, new_text, list(request.output_token_ids), text,
                              request.is_finished, request.finish_reason, request.num_cached_tokens,
-                             request.num_prompt_tokens, stop_reason, new_logprobs, logprobs)
+                             request.num_prompt_tokens, stop_reason, new_logprobs, logprobs, prompt_logprobs)
 
     def _detokenize(self, request: Request, new_ids: list[int]) -> tuple[str, str, str | None]:
         detokenizer = self._detokenizers.get(request.request_id)

@@ -29,6 +29,7 @@ class RequestOutput:
     stop_reason: str | int | None = None   # the stop string or stop token id that ended it, if any
     new_logprobs: list[TokenLogprobs] | None = None   # one per new token, when params.logprobs is set
     logprobs: list[TokenLogprobs] | None = None       # one per output token so far, when params.logprobs is set
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # one per prompt token (None for the first one)
 
     @property
     def completion_tokens(self) -> int:

@@ -44,7 +44,7 @@ class Request:
 
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "token_ids", "params", "status",
                  "num_computed_tokens", "num_cached_tokens", "num_preemptions", "arrival_index", "hash_root",
-                 "block_hashes", "output_logprobs")
+                 "block_hashes", "output_logprobs", "prompt_logprobs")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  arrival_index: int = 0, hash_root: bytes | None = None) -> None:
@@ -63,6 +63,7 @@ class Request:
         self.hash_root = hash_root
         self.block_hashes: list[bytes] = []           # chained hashes of full blocks of token_ids, filled lazily
         self.output_logprobs: list | None = None      # engine.outputs.TokenLogprobs per output sampled here
+        self.prompt_logprobs: list = []               # TokenLogprobs of prompt tokens 1.. (params.prompt_logprobs)
 
     @property
     def num_tokens(self) -> int:
@@ -88,6 +89,11 @@ class Request:
     def finish_reason(self) -> str | None:
         """'stop' | 'length' | 'abort', or None while unfinished."""
         return _FINISH_REASONS.get(self.status)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all computed yet (they need every prompt position computed here)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1
 
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -23,6 +23,7 @@ class SamplingParams:
     logprobs: int | None = None       # per output token: its log probability and the N most likely (0 = its own)
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, added to its logit in [-100, 100]); a dict works
     min_tokens: int = 0               # no end-of-sequence, stop token or stop string before this many outputs
+    prompt_logprobs: int | None = None   # per prompt token after the first: its logprob and the N most likely
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -43,6 +44,10 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {getattr(self, name)!r}")
         if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (or unset), got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and not (isinstance(self.prompt_logprobs, int)
+                                                     and 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}] (or unset), got "
+                             f"{self.prompt_logprobs!r}")
         if self.seed is not None and not (0 <= self.seed < 2**63):
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed!r}")
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias

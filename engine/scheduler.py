@@ -163,8 +163,10 @@ class Scheduler:
         for request, num_new in plan.planned.items():
             start = request.num_computed_tokens
             final = start + num_new == request.num_tokens
+            # every position of a prompt chunk when its prompt logprobs are wanted, else the last one to sample
+            num_logits = num_new if request.needs_prompt_logprobs else 1 if final else 0
             seqs.append(ScheduledSeq(request.request_id, request.token_ids[start:start + num_new], start,
-                                     list(table(request.request_id)), 1 if final else 0))
+                                     list(table(request.request_id)), num_logits))
         return ScheduledStep(StepBatch(seqs), list(plan.planned), plan.preempted)
 
     def _preempt(self, request: Request) -> None:

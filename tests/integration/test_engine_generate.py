@@ -186,3 +186,41 @@ def test_min_tokens_holds_off_stop_tokens_and_stop_strings(tiny_checkpoint):
     assert late.token_ids == free.token_ids and late.finish_reason == "length"
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(max_tokens=4, min_tokens=5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_prompt_logprobs_are_transformers_over_the_prompt_in_chunks_and_after_a_cache_hit(tiny_checkpoint, arch):
+    ckpt = tiny_checkpoint(arch)
+    llm = LLM(str(ckpt.path), num_blocks=128, block_size=4, max_num_batched_tokens=16)  # prompts run in chunks
+    prompts = make_prompts(3, seed=21, lo=20, hi=40)
+    params = SamplingParams(max_tokens=3, prompt_logprobs=2, ignore_eos=True)
+    llm.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True))  # the first prompt is now cached
+    outs = llm.generate(prompts, params)
+    for prompt, out in zip(prompts, outs):
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+        with torch.inference_mode():
+            lp = torch.log_softmax(ckpt.hf_model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+        for pos, entry in enumerate(out.prompt_logprobs[1:]):        # entry for token pos + 1, from position pos
+            assert entry.token_id == prompt[pos + 1]
+            assert entry.logprob == pytest.approx(lp[pos, prompt[pos + 1]].item(), abs=1e-4)
+            assert entry.rank == int((lp[pos] > lp[pos, prompt[pos + 1]]).sum()) + 1
+            assert [t for t, _ in entry.top] == lp[pos].topk(2).indices.tolist()
+        assert out.token_ids == hf_greedy(ckpt.hf_model, prompt, 3)  # sampling is unchanged
+    assert llm.generate(prompts[:1], SamplingParams(max_tokens=2))[0].prompt_logprobs is None
+
+
+def test_prompt_logprobs_survive_preemption_mid_prompt(tiny_checkpoint):
+    """Too few blocks for all requests at once: some are preempted (some mid-prompt) and recomputed; their prompt
+    logprobs come out whole and equal to an unpressured run's."""
+    ckpt = tiny_checkpoint("llama")
+    prompts = make_prompts(6, seed=22, lo=30, hi=40)
+    params = SamplingParams(max_tokens=12, prompt_logprobs=1, ignore_eos=True)
+    roomy = LLM(str(ckpt.path), num_blocks=256, block_size=4).generate(prompts, params)
+    tight = LLM(str(ckpt.path), num_blocks=40, block_size=4, max_num_batched_tokens=16)
+    outs = tight.generate(prompts, params)
+    assert tight.engine.block_manager.stats.num_queries > len(prompts)  # some request was allocated again
+    for want, got in zip(roomy, outs):
+        assert got.token_ids == want.token_ids
+        assert [e and e.token_id for e in got.prompt_logprobs] == [e and e.token_id for e in want.prompt_logprobs]
+        assert [e.logprob for e in got.prompt_logprobs[1:]] == \
+            pytest.approx([e.logprob for e in want.prompt_logprobs[1:]], abs=1e-4)
