@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import replace
 from typing import Iterator, Sequence
 
 import grpc
@@ -65,8 +66,9 @@ class DecodeService(WorkerBase):
                 pulled = self.puller.pull(request.kv, num_blocks)
             self._release_async(request.kv)
             hashes = list(request.kv.block_hashes[:len(pulled.payloads)])
-            installed = self._admit(tracked, request.request_id, prompt, params, fingerprint, hashes,
-                                    pulled.payloads, context, first_token=request.first_token_id)
+            # NOTE: the prompt's logprobs came with the first token from the prefill worker: not computed again
+            installed = self._admit(tracked, request.request_id, prompt, replace(params, prompt_logprobs=None),
+                                    fingerprint, hashes, pulled.payloads, context, first_token=request.first_token_id)
             blocks = _block_counts(pulled, installed.num_blocks, len(request.kv.block_hashes))
             timings = common_pb2.Timings(transfer_ms=ms(pulled.elapsed_s))
             yield from self._stream(tracked, request.request_id, context, timings, len(prompt),
@@ -196,7 +198,8 @@ class DecodeService(WorkerBase):
                 load_s: float) -> Iterator[worker_pb2.TokenChunk]:
         for event in wait_events(tracked, context):
             chunk = worker_pb2.TokenChunk(request_id=request_id, token_ids=event.token_ids, text_delta=event.text,
-                                          logprobs=[logprobs_to_proto(e) for e in event.logprobs])
+                                          logprobs=[logprobs_to_proto(e) for e in event.logprobs],
+                                          prompt_logprobs=[logprobs_to_proto(e) for e in event.prompt_logprobs])
             if event.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                 chunk.finish_reason = event.finish_reason
                 for key, value in event.stop_fields.items():

@@ -60,6 +60,8 @@ class PrefillJob(Tracked):
                                               cached_tokens=output.num_cached_tokens)
         if output.new_logprobs:
             response.first_logprobs.CopyFrom(logprobs_to_proto(output.new_logprobs[-1]))
+        if output.prompt_logprobs:
+            response.prompt_logprobs.extend(logprobs_to_proto(e) for e in output.prompt_logprobs[1:])
         if delta.stop_str is not None or engine_stop:
             response.finish_reason = common_pb2.FINISH_REASON_STOP
             for key, value in stop_reason_fields(delta.stop_str, token, self.params).items():

@@ -145,6 +145,29 @@ class _Logprobs:
         text = self._text(lp.token_id)
         return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
 
+    def prompt(self, first_token_id: int, entries) -> dict[str, Any]:
+        """The echoed prompt's part of a completion's legacy logprobs: its first token has none (null)."""
+        part = self.format(entries)
+        text = self._text(first_token_id)
+        part["tokens"].insert(0, text)
+        part["token_logprobs"].insert(0, None)
+        part["top_logprobs"].insert(0, None)
+        part["text_offset"] = [0] + [o + len(text) for o in part["text_offset"]]
+        self._offset += len(text)
+        return part
+
+    def vllm_prompt(self, first_token_id: int, entries) -> list[dict[str, Any] | None]:
+        """vLLM's `prompt_logprobs`: per prompt token, null for the first, else {token id: {logprob, rank,
+        decoded_token}} over the token itself and the most likely ones."""
+        out: list[dict[str, Any] | None] = [None]
+        for e in entries:
+            ranked = {str(t.token_id): {"logprob": t.logprob, "rank": r, "decoded_token": self._text(t.token_id)}
+                      for r, t in enumerate(e.top, start=1)}
+            ranked[str(e.sampled.token_id)] = {"logprob": e.sampled.logprob, "rank": e.rank,
+                                               "decoded_token": self._text(e.sampled.token_id)}
+            out.append(ranked)
+        return out
+
     def format(self, entries) -> dict[str, Any]:
         if self.chat:
             return {"content": [dict(self._entry(e.sampled), top_logprobs=[self._entry(t) for t in e.top])
@@ -164,6 +187,7 @@ class _Choice(NamedTuple):
     text: str
     finish: str | None
     logprobs: list          # common_pb2.TokenLogprobs
+    prompt_logprobs: list   # common_pb2.TokenLogprobs of prompt tokens 1.., when asked for
 
 
 class _Shape:
@@ -173,39 +197,60 @@ class _Shape:
         self.chat, self.options = options.chat, options
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + params.request_id
         self.model, self.created = params.model, int(time.time())
-        wanted = params.sampling.logprobs is not None
+        wanted = params.sampling.logprobs is not None or params.sampling.prompt_logprobs is not None
         self.logprobs = [_Logprobs(tokenizer, self.chat) if wanted else None for _ in range(options.n)]
+        self.sampled = params.sampling.logprobs is not None
+        self.echo_logprobs = options.echo and self.sampled and not self.chat
+        self.prompt_wanted = params.sampling.prompt_logprobs is not None
 
-    def _logprobs(self, index: int, entries) -> dict[str, Any] | None:
+    def _logprobs(self, index: int, entries, prompt: tuple[int, Any] | None = None) -> dict[str, Any] | None:
+        """Choice `index`'s logprobs object for these entries; `prompt` = (first prompt token id, prompt entries)
+        puts the echoed prompt's tokens first."""
         formatter = self.logprobs[index]
-        return None if formatter is None else formatter.format(entries)
+        if formatter is None or not self.sampled:
+            return None
+        if prompt is None or not self.echo_logprobs:
+            return formatter.format(entries)
+        part, rest = formatter.prompt(*prompt), formatter.format(entries)
+        return {key: part[key] + rest[key] for key in part}
+
+    def _prompt_logprobs(self, index: int, prompt: tuple[int, Any] | None) -> dict[str, Any]:
+        """vLLM's `prompt_logprobs` field of a choice, where they were asked for."""
+        if prompt is None or self.logprobs[index] is None or not self.prompt_wanted:
+            return {}
+        return {"prompt_logprobs": self.logprobs[index].vllm_prompt(*prompt)}
 
     def _envelope(self, obj: str, choices: list) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
-    def whole(self, choices: list[_Choice], usage: common_pb2.Usage) -> dict[str, Any]:
-        if self.chat:
-            body = self._envelope("chat.completion", [
-                {"index": i, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish,
-                 "logprobs": self._logprobs(i, c.logprobs)} for i, c in enumerate(choices)])
-        else:
-            body = self._envelope("text_completion", [
-                {"index": i, "text": c.text, "finish_reason": c.finish, "logprobs": self._logprobs(i, c.logprobs)}
-                for i, c in enumerate(choices)])
+    def whole(self, choices: list[_Choice], usage: common_pb2.Usage, first_token_id: int) -> dict[str, Any]:
+        out = []
+        for i, c in enumerate(choices):
+            prompt = (first_token_id, c.prompt_logprobs) if c.prompt_logprobs or self.echo_logprobs else None
+            if self.chat:
+                choice = {"index": i, "message": {"role": "assistant", "content": c.text}}
+            else:
+                choice = {"index": i, "text": c.text}
+            choice.update(finish_reason=c.finish, logprobs=self._logprobs(i, c.logprobs, prompt),
+                          **self._prompt_logprobs(i, prompt))
+            out.append(choice)
+        body = self._envelope("chat.completion" if self.chat else "text_completion", out)
         body["usage"] = _usage(usage)
         return body
 
-    def delta(self, index: int, text: str | None, finish: str | None, first: bool = False,
-              logprobs=()) -> dict[str, Any]:
-        lp = self._logprobs(index, logprobs) if logprobs else None
+    def delta(self, index: int, text: str | None, finish: str | None, first: bool = False, logprobs=(),
+              prompt: tuple[int, Any] | None = None) -> dict[str, Any]:
+        """One chunk of choice `index`; `prompt` = (first prompt token id, prompt entries) on the echo chunk."""
+        lp = self._logprobs(index, logprobs, prompt) if logprobs or (prompt and self.echo_logprobs) else None
+        extra = self._prompt_logprobs(index, prompt)
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
             if text:
                 delta["content"] = text
-            choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": lp}
+            choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": lp, **extra}
             return self._envelope("chat.completion.chunk", [choice])
         return self._envelope("text_completion", [{"index": index, "text": text or "", "finish_reason": finish,
-                                                   "logprobs": lp}])
+                                                   "logprobs": lp, **extra}])
 
     def usage_chunk(self, usage: common_pb2.Usage) -> dict[str, Any]:
         body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
@@ -303,13 +348,14 @@ def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: Router
 
     async def _collect(run: RequestRun) -> tuple[_Choice, common_pb2.Usage]:
         it = run.events()
-        text, logprobs, finish, usage = [], [], None, common_pb2.Usage()
+        text, logprobs, prompt_logprobs, finish, usage = [], [], [], None, common_pb2.Usage()
         while (chunk := await _next_chunk(it)) is not None:
             text.append(chunk.text_delta)
             logprobs.extend(chunk.logprobs)
+            prompt_logprobs.extend(chunk.prompt_logprobs)
             if chunk.finish_reason:
                 finish, usage = _FINISH.get(chunk.finish_reason), chunk.usage
-        return _Choice("".join(text), finish, logprobs), usage
+        return _Choice("".join(text), finish, logprobs, prompt_logprobs), usage
 
     async def _whole(runs: list[RequestRun], params: GenerateParams, options: OpenAIOptions) -> JSONResponse:
         try:
@@ -329,7 +375,8 @@ def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: Router
         prefix = (params.prompt_text or "") if options.echo else ""
         choices = [choice._replace(text=prefix + choice.text) for choice, _ in results]
         usage = merged_usage([u for _, u in results])
-        return JSONResponse(_Shape(params, options, _tokenizer(params)).whole(choices, usage))
+        shape = _Shape(params, options, _tokenizer(params))
+        return JSONResponse(shape.whole(choices, usage, runs[0].prompt[0]))
 
     async def _stream(runs: list[RequestRun], params: GenerateParams,
                       options: OpenAIOptions) -> AsyncIterator[bytes]:
@@ -351,7 +398,9 @@ def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: Router
         usages: list[common_pb2.Usage] = []
         try:
             first = [True] * len(runs)
-            if options.chat or options.echo:
+            # NOTE: an echo whose prompt carries logprobs waits for them (they come with the first tokens)
+            echo_now = options.echo and not shape.echo_logprobs
+            if options.chat or echo_now:
                 for i in range(len(runs)):
                     yield _sse(shape.delta(i, params.prompt_text if options.echo else None, None, first=True))
                     first[i] = False
@@ -367,6 +416,13 @@ def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: Router
                     running -= 1
                     continue
                 finish = _FINISH.get(chunk.finish_reason) if chunk.finish_reason else None
+                prompt = (runs[index].prompt[0], chunk.prompt_logprobs)
+                if shape.echo_logprobs and first[index]:      # the held-back echo, its prompt logprobs with it
+                    yield _sse(shape.delta(index, params.prompt_text, None, first=True, prompt=prompt))
+                    first[index] = False
+                elif chunk.prompt_logprobs:
+                    yield _sse(shape.delta(index, None, None, first=first[index], prompt=prompt))
+                    first[index] = False
                 if chunk.text_delta or finish or chunk.logprobs:
                     yield _sse(shape.delta(index, chunk.text_delta, finish, first=first[index],
                                            logprobs=chunk.logprobs))

@@ -58,6 +58,7 @@ class _Progress:
     logprobs: list = field(default_factory=list)   # common_pb2.TokenLogprobs per token, when asked for
     text: str = ""
     first_chunk_sent: bool = False
+    prompt_logprobs_sent: bool = False
     first_token_at: float | None = None
 
 
@@ -173,7 +174,7 @@ class RequestRun:
             yield self._final(common_pb2.FINISH_REASON_ABORT, common_pb2.Usage(prompt_tokens=len(self.prompt)))
             return
         chunk = self._chunk([first.first_token_id], first.first_text_delta,
-                            [first.first_logprobs] if first.HasField("first_logprobs") else ())
+                            [first.first_logprobs] if first.HasField("first_logprobs") else (), first.prompt_logprobs)
         if first.finish_reason != UNSET:
             chunk.finish_reason = first.finish_reason
             chunk.usage.CopyFrom(common_pb2.Usage(prompt_tokens=len(self.prompt), completion_tokens=1,
@@ -223,6 +224,7 @@ class RequestRun:
         rerun_tokens: list[int] = list(self.progress.token_ids[:1]) if method == "Decode" else []
         rerun_logprobs: list = list(self.progress.logprobs[:1]) if method == "Decode" else []
         rerun_text = self.progress.text if method == "Decode" else ""
+        prompt_logprobs: Sequence = ()
         self.d.registry.begin(worker_id, work_s)
         call, finished = None, False
         try:
@@ -231,13 +233,14 @@ class RequestRun:
             for wc in call:
                 rerun_tokens.extend(wc.token_ids)
                 rerun_logprobs.extend(wc.logprobs)
+                prompt_logprobs = prompt_logprobs or wc.prompt_logprobs
                 rerun_text += wc.text_delta
                 new_ids = rerun_tokens[len(self.progress.token_ids):]
                 new_text = rerun_text[len(self.progress.text):]
                 finished = wc.finish_reason != UNSET
                 if not new_ids and not finished:
                     continue
-                chunk = self._chunk(new_ids, new_text, rerun_logprobs[len(self.progress.logprobs):])
+                chunk = self._chunk(new_ids, new_text, rerun_logprobs[len(self.progress.logprobs):], prompt_logprobs)
                 if finished:
                     chunk.finish_reason = wc.finish_reason
                     chunk.usage.CopyFrom(wc.usage)
@@ -259,10 +262,14 @@ class RequestRun:
 
     # ---- pieces ---------------------------------------------------------------------------------------------
 
-    def _chunk(self, token_ids: Sequence[int], text: str, logprobs: Sequence = ()) -> strata_pb2.GenerateResponse:
+    def _chunk(self, token_ids: Sequence[int], text: str, logprobs: Sequence = (),
+               prompt_logprobs: Sequence = ()) -> strata_pb2.GenerateResponse:
         chunk = strata_pb2.GenerateResponse(request_id=self.request_id, token_ids=token_ids, text_delta=text,
                                             logprobs=logprobs)
         self.progress.logprobs.extend(logprobs)
+        if prompt_logprobs and not self.progress.prompt_logprobs_sent:  # once, whichever attempt computed them
+            chunk.prompt_logprobs.extend(prompt_logprobs)
+            self.progress.prompt_logprobs_sent = True
         if not self.progress.first_chunk_sent:
             self.progress.first_chunk_sent = True
             if self.params.include_prompt_token_ids:

@@ -105,7 +105,8 @@ def build_sampling(prefix: str, *, max_tokens: int | None, temperature: float, t
                    repetition_penalty: float | None = None, presence_penalty: float = 0.0,
                    frequency_penalty: float = 0.0, logprobs: int | None = None,
                    logprobs_param: str = "logprobs", logit_bias: Mapping[int, float] | None = None,
-                   min_tokens: int = 0) -> SamplingParams:
+                   min_tokens: int = 0, prompt_logprobs: int | None = None,
+                   prompt_logprobs_param: str = "prompt_logprobs") -> SamplingParams:
     """Range checks with the door's field names; an unset seed is drawn here, so a retry on another worker
     continues the same random stream (docs/api.md: "the same tokens on any worker, after a failover too")."""
     if max_tokens is not None and max_tokens < 1:
@@ -128,9 +129,9 @@ def build_sampling(prefix: str, *, max_tokens: int | None, temperature: float, t
     if not 0 <= min_tokens <= (max_tokens or DEFAULT_MAX_TOKENS):
         raise invalid(f"{prefix}min_tokens", f"{prefix}min_tokens must be in [0, max_tokens="
                                              f"{max_tokens or DEFAULT_MAX_TOKENS}], got {min_tokens}")
-    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-        raise invalid(f"{prefix}{logprobs_param}",
-                      f"{prefix}{logprobs_param} must be in [0, {MAX_LOGPROBS}], got {logprobs}")
+    for value, param in ((logprobs, logprobs_param), (prompt_logprobs, prompt_logprobs_param)):
+        if value is not None and not 0 <= value <= MAX_LOGPROBS:
+            raise invalid(f"{prefix}{param}", f"{prefix}{param} must be in [0, {MAX_LOGPROBS}], got {value}")
     for token_id, value in (logit_bias or {}).items():
         if token_id < 0 or not (math.isfinite(value) and -100.0 <= value <= 100.0):
             raise invalid(f"{prefix}logit_bias", f"{prefix}logit_bias must map token ids >= 0 to values in "
@@ -146,7 +147,7 @@ def build_sampling(prefix: str, *, max_tokens: int | None, temperature: float, t
                           repetition_penalty=1.0 if repetition_penalty is None else float(repetition_penalty),
                           presence_penalty=float(presence_penalty), frequency_penalty=float(frequency_penalty),
                           logprobs=logprobs, logit_bias=tuple((logit_bias or {}).items()),
-                          min_tokens=min_tokens)
+                          min_tokens=min_tokens, prompt_logprobs=prompt_logprobs)
 
 
 def choice_params(params: GenerateParams, n: int) -> list[GenerateParams]:
@@ -222,7 +223,7 @@ def from_grpc(request: Any, models: Mapping[str, ModelLimits]) -> GenerateParams
         repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else None,
         presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
         logprobs=s.logprobs if s.HasField("logprobs") else None, logit_bias=dict(s.logit_bias),
-        min_tokens=s.min_tokens)
+        min_tokens=s.min_tokens, prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None)
     opts = request.stream_options
     return GenerateParams(
         model=model.id, prompt_text=request.text if kind == "text" else None,
@@ -295,14 +296,20 @@ def _logit_bias(body: Mapping[str, Any]) -> dict[int, float]:
     return bias
 
 
+def _prompt_logprobs(body: Mapping[str, Any], logprobs: int | None, chat: bool) -> int | None:
+    """vLLM's `prompt_logprobs: N` on either door; on completions `echo` with `logprobs: N` asks for them too (the
+    echoed prompt's tokens then carry logprobs, as OpenAI's legacy API did)."""
+    value = _typed(body, "prompt_logprobs", (int,), f"an integer in [0, {MAX_LOGPROBS}]", None)
+    if value is None and not chat and body.get("echo") and logprobs is not None:
+        value = logprobs
+    return value
+
+
 def _completion_logprobs(body: Mapping[str, Any]) -> tuple[int | None, str]:
     """`/v1/completions`: `logprobs` is the number of alternatives per token (OpenAI allows up to 5, vLLM 20)."""
     if body.get("top_logprobs") is not None:
         raise invalid("top_logprobs", "top_logprobs is a chat option; /v1/completions takes logprobs: <int>")
-    value = _typed(body, "logprobs", (int,), f"an integer in [0, {MAX_LOGPROBS}]", None)
-    if value is not None and body.get("echo"):
-        raise invalid("logprobs", "logprobs with echo (prompt logprobs) is not supported; omit one of them")
-    return value, "logprobs"
+    return _typed(body, "logprobs", (int,), f"an integer in [0, {MAX_LOGPROBS}]", None), "logprobs"
 
 
 def _chat_logprobs(body: Mapping[str, Any]) -> tuple[int | None, str]:
@@ -340,7 +347,9 @@ def _openai_sampling(body: Mapping[str, Any], max_tokens_keys: Sequence[str],
         repetition_penalty=_number(body, "repetition_penalty", defaults.get("repetition_penalty")),
         presence_penalty=_number(body, "presence_penalty", 0.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0), logprobs=logprobs, logprobs_param=logprobs_param,
-        logit_bias=_logit_bias(body), min_tokens=_integer(body, "min_tokens", 0))
+        logit_bias=_logit_bias(body), min_tokens=_integer(body, "min_tokens", 0),
+        prompt_logprobs=_prompt_logprobs(body, logprobs, chat), prompt_logprobs_param=(
+            "logprobs" if body.get("prompt_logprobs") is None else "prompt_logprobs"))
     return sampling, explicit
 
 

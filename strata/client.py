@@ -38,13 +38,15 @@ class Completion:
     metrics: strata_pb2.RequestMetrics | None = None
     stop_str: str | None = None
     logprobs: list[common_pb2.TokenLogprobs] = field(default_factory=list)   # with logprobs=N
+    prompt_logprobs: list[common_pb2.TokenLogprobs] = field(default_factory=list)  # prompt tokens 1.., with N
 
 
 def sampling(max_tokens: int | None = None, temperature: float = 0.0, top_p: float | None = None, top_k: int = 0,
              seed: int | None = None, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
              ignore_eos: bool = False, repetition_penalty: float | None = None, presence_penalty: float = 0.0,
              frequency_penalty: float = 0.0, logprobs: int | None = None,
-             logit_bias: dict[int, float] | None = None, min_tokens: int = 0) -> common_pb2.SamplingParams:
+             logit_bias: dict[int, float] | None = None, min_tokens: int = 0,
+             prompt_logprobs: int | None = None) -> common_pb2.SamplingParams:
     msg = common_pb2.SamplingParams(temperature=temperature, top_k=top_k, stop=list(stop),
                                     stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
                                     presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
@@ -59,6 +61,8 @@ def sampling(max_tokens: int | None = None, temperature: float = 0.0, top_p: flo
         msg.seed = seed
     if logprobs is not None:
         msg.logprobs = logprobs
+    if prompt_logprobs is not None:
+        msg.prompt_logprobs = prompt_logprobs
     msg.logit_bias.update(logit_bias or {})
     return msg
 
@@ -96,6 +100,7 @@ class StrataClient:
             out.text += chunk.text_delta
             out.token_ids.extend(chunk.token_ids)
             out.logprobs.extend(chunk.logprobs)
+            out.prompt_logprobs.extend(chunk.prompt_logprobs)
             if chunk.finish_reason:
                 out.finish_reason = common_pb2.FinishReason.Name(chunk.finish_reason).removeprefix(
                     "FINISH_REASON_").lower()

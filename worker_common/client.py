@@ -23,6 +23,7 @@ class Completion:
     prefill: worker_pb2.PrefillResponse | None = None
     last_chunk: worker_pb2.TokenChunk | None = None
     logprobs: list = field(default_factory=list)   # common_pb2.TokenLogprobs per token, when asked for
+    prompt_logprobs: list = field(default_factory=list)   # per prompt token after the first, when asked for
     ttft_ms: float = 0.0              # call start to the first token in the client's hands
     second_token_ms: float = 0.0      # call start to the second token (first decode step included)
     total_ms: float = 0.0
@@ -40,6 +41,7 @@ def disaggregated(prefill: worker_pb2_grpc.WorkerStub, decode: worker_pb2_grpc.W
                      prefill=first, ttft_ms=_ms_since(started))
     if first.HasField("first_logprobs"):
         out.logprobs.append(first.first_logprobs)
+    out.prompt_logprobs.extend(first.prompt_logprobs)
     if first.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
         out.total_ms = out.ttft_ms
         return out
@@ -67,6 +69,7 @@ def _consume(out: Completion, stream, started: float) -> None:
     for chunk in stream:
         out.token_ids.extend(chunk.token_ids)
         out.logprobs.extend(chunk.logprobs)
+        out.prompt_logprobs.extend(chunk.prompt_logprobs)
         out.text += chunk.text_delta
         if chunk.token_ids:
             out.ttft_ms = out.ttft_ms or _ms_since(started)

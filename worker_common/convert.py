@@ -27,8 +27,9 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         raise InvalidArgument("sampling.max_tokens must be >= 1, got 0")
     if msg.HasField("top_p") and not 0.0 < msg.top_p <= 1.0:
         raise InvalidArgument(f"sampling.top_p must be in (0, 1], got {msg.top_p}")
-    if msg.HasField("logprobs") and msg.logprobs > MAX_LOGPROBS:
-        raise InvalidArgument(f"sampling.logprobs must be in [0, {MAX_LOGPROBS}], got {msg.logprobs}")
+    for name in ("logprobs", "prompt_logprobs"):
+        if msg.HasField(name) and getattr(msg, name) > MAX_LOGPROBS:
+            raise InvalidArgument(f"sampling.{name} must be in [0, {MAX_LOGPROBS}], got {getattr(msg, name)}")
     if msg.HasField("repetition_penalty") and not 0.0 < msg.repetition_penalty <= 10.0:
         raise InvalidArgument(f"sampling.repetition_penalty must be in (0, 10], got {msg.repetition_penalty}")
     try:
@@ -40,7 +41,8 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
             seed=msg.seed if msg.HasField("seed") else None, stop=tuple(msg.stop),
             stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
             include_stop_str_in_output=msg.include_stop_str_in_output,
-            logprobs=msg.logprobs if msg.HasField("logprobs") else None, logit_bias=tuple(msg.logit_bias.items()))
+            logprobs=msg.logprobs if msg.HasField("logprobs") else None, logit_bias=tuple(msg.logit_bias.items()),
+            prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None)
     except ValueError as exc:
         raise InvalidArgument(f"sampling.{exc}") from None
 
@@ -59,6 +61,8 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         msg.seed = params.seed
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
+    if params.prompt_logprobs is not None:
+        msg.prompt_logprobs = params.prompt_logprobs
     msg.logit_bias.update(dict(params.logit_bias))
     return msg
 

@@ -27,6 +27,7 @@ class StreamEvent(NamedTuple):
     cached_tokens: int           # prompt tokens the engine took from its prefix cache
     error: str = ""
     logprobs: tuple = ()         # engine.outputs.TokenLogprobs per token, when the request asked for them
+    prompt_logprobs: tuple = ()  # TokenLogprobs per prompt token after the first: the first event that has them
 
 
 class StreamingRequest(Tracked):
@@ -39,6 +40,7 @@ class StreamingRequest(Tracked):
         self.events: queue.Queue[StreamEvent] = queue.Queue()
         self.first_output_at: float | None = None
         self.last_output_at: float | None = None
+        self._prompt_logprobs_sent = False
 
     def on_output(self, output: RequestOutput, now: float) -> bool:
         self.first_output_at = self.first_output_at or now
@@ -53,8 +55,11 @@ class StreamingRequest(Tracked):
                 stop = stop_reason_fields(None, output.token_ids[-1], self.params)
         if reason != common_pb2.FINISH_REASON_UNSPECIFIED and self.on_finish is not None:
             self.on_finish(self.request)  # NOTE: before the event: the stream's end means the blocks are stored
+        prompt_logprobs = ()
+        if output.prompt_logprobs and not self._prompt_logprobs_sent:
+            prompt_logprobs, self._prompt_logprobs_sent = tuple(output.prompt_logprobs[1:]), True
         self.events.put(StreamEvent(list(output.new_token_ids), delta.text, reason, stop, len(output.token_ids),
-                                    output.num_cached_tokens, "", tuple(output.new_logprobs or ())))
+                                    output.num_cached_tokens, "", tuple(output.new_logprobs or ()), prompt_logprobs))
         return delta.stop_str is not None
 
     def on_abort(self, reason: str) -> None:

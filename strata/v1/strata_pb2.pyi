@@ -60,7 +60,7 @@ class RequestMetrics(_message.Message):
     def __init__(self, prefill_worker_id: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., disaggregated: _Optional[bool] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., blocks_transferred: _Optional[int] = ..., blocks_from_store: _Optional[int] = ..., blocks_recomputed: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text_delta", "finish_reason", "usage", "prompt_token_ids", "stop_str", "stop_token_id", "metrics", "logprobs")
+    __slots__ = ("request_id", "token_ids", "text_delta", "finish_reason", "usage", "prompt_token_ids", "stop_str", "stop_token_id", "metrics", "logprobs", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_DELTA_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,7 @@ class GenerateResponse(_message.Message):
     STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text_delta: str
@@ -81,7 +82,8 @@ class GenerateResponse(_message.Message):
     stop_token_id: int
     metrics: RequestMetrics
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text_delta: _Optional[str] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., stop_str: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., metrics: _Optional[_Union[RequestMetrics, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text_delta: _Optional[str] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., stop_str: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., metrics: _Optional[_Union[RequestMetrics, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from strata.v1 import common_pb2 as strata_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16strata/v1/worker.proto\x12\tstrata.v1\x1a\x16strata/v1/common.proto\"\xaa\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.strata.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x10\n\x08lease_ms\x18\x05 \x01(\r\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x06 \x01(\tJ\x04\x08\x10\x10\x18\"\xe5\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x18\n\x10\x66irst_text_delta\x18\x03 \x01(\t\x12\x1f\n\x02kv\x18\x04 \x01(\x0b\x32\x13.strata.v1.KvHandle\x12#\n\x07timings\x18\x05 \x01(\x0b\x32\x12.strata.v1.Timings\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\x12.\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x17.strata.v1.FinishReason\x12\x11\n\tworker_id\x18\x08 \x01(\t\x12\x12\n\x08stop_str\x18\t \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\n \x01(\rH\x00\x12\x30\n\x0e\x66irst_logprobs\x18\x0b \x01(\x0b\x32\x18.strata.v1.TokenLogprobsB\r\n\x0bstop_reason\"\xe0\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\r\x12\x1f\n\x02kv\x18\x04 \x01(\x0b\x32\x13.strata.v1.KvHandle\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.strata.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x11\n\tskip_text\x18\x07 \x01(\x08\x12\x15\n\rcached_tokens\x18\x08 \x01(\rJ\x04\x08\x10\x10\x18\"\x98\x01\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.strata.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x11\n\tskip_text\x18\x05 \x01(\x08J\x04\x08\x10\x10\x18\"\x9f\x03\n\nTokenChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x12\n\ntext_delta\x18\x03 \x01(\t\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.strata.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.strata.v1.Usage\x12\x12\n\x08stop_str\x18\x06 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x07 \x01(\rH\x00\x12#\n\x07timings\x18\x08 \x01(\x0b\x32\x12.strata.v1.Timings\x12\x1a\n\x12\x62locks_transferred\x18\t \x01(\r\x12\x19\n\x11\x62locks_from_store\x18\n \x01(\r\x12\x19\n\x11\x62locks_recomputed\x18\x0b \x01(\r\x12\x1a\n\x12kv_fallback_reason\x18\x0c \x01(\t\x12*\n\x08logprobs\x18\r \x03(\x0b\x32\x18.strata.v1.TokenLogprobsB\r\n\x0bstop_reasonJ\x04\x08\x0e\x10\x10J\x04\x08\x10\x10\x14\"$\n\x10ReleaseKvRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"%\n\x11ReleaseKvResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"(\n\x12WorkerAbortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"$\n\x13WorkerAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"\x7f\n\x0eHealthResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12#\n\x04role\x18\x02 \x01(\x0e\x32\x15.strata.v1.WorkerRole\x12%\n\x05state\x18\x03 \x01(\x0e\x32\x16.strata.v1.WorkerState\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\"\x0e\n\x0cStatsRequest\"s\n\rStatsResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12#\n\x04load\x18\x02 \x01(\x0b\x32\x15.strata.v1.WorkerLoad\x12*\n\x05\x63\x61\x63he\x18\x03 \x01(\x0b\x32\x1b.strata.v1.WorkerCacheStats2\xef\x04\n\x06Worker\x12@\n\x07Prefill\x12\x19.strata.v1.PrefillRequest\x1a\x1a.strata.v1.PrefillResponse\x12;\n\x06\x44\x65\x63ode\x12\x18.strata.v1.DecodeRequest\x1a\x15.strata.v1.TokenChunk0\x01\x12\x45\n\x08Generate\x12 .strata.v1.WorkerGenerateRequest\x1a\x15.strata.v1.TokenChunk0\x01\x12\x46\n\tReleaseKv\x12\x1b.strata.v1.ReleaseKvRequest\x1a\x1c.strata.v1.ReleaseKvResponse\x12\x46\n\x05\x41\x62ort\x12\x1d.strata.v1.WorkerAbortRequest\x1a\x1e.strata.v1.WorkerAbortResponse\x12=\n\x06Health\x12\x18.strata.v1.HealthRequest\x1a\x19.strata.v1.HealthResponse\x12:\n\x05Stats\x12\x17.strata.v1.StatsRequest\x1a\x18.strata.v1.StatsResponse\x12I\n\nEvictCache\x12\x1c.strata.v1.EvictCacheRequest\x1a\x1d.strata.v1.EvictCacheResponse\x12I\n\nFlushCache\x12\x1c.strata.v1.FlushCacheRequest\x1a\x1d.strata.v1.FlushCacheResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16strata/v1/worker.proto\x12\tstrata.v1\x1a\x16strata/v1/common.proto\"\xaa\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.strata.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x10\n\x08lease_ms\x18\x05 \x01(\r\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x06 \x01(\tJ\x04\x08\x10\x10\x18\"\x98\x03\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x18\n\x10\x66irst_text_delta\x18\x03 \x01(\t\x12\x1f\n\x02kv\x18\x04 \x01(\x0b\x32\x13.strata.v1.KvHandle\x12#\n\x07timings\x18\x05 \x01(\x0b\x32\x12.strata.v1.Timings\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\x12.\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x17.strata.v1.FinishReason\x12\x11\n\tworker_id\x18\x08 \x01(\t\x12\x12\n\x08stop_str\x18\t \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\n \x01(\rH\x00\x12\x30\n\x0e\x66irst_logprobs\x18\x0b \x01(\x0b\x32\x18.strata.v1.TokenLogprobs\x12\x31\n\x0fprompt_logprobs\x18\x0c \x03(\x0b\x32\x18.strata.v1.TokenLogprobsB\r\n\x0bstop_reason\"\xe0\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\r\x12\x1f\n\x02kv\x18\x04 \x01(\x0b\x32\x13.strata.v1.KvHandle\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.strata.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x11\n\tskip_text\x18\x07 \x01(\x08\x12\x15\n\rcached_tokens\x18\x08 \x01(\rJ\x04\x08\x10\x10\x18\"\x98\x01\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.strata.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x11\n\tskip_text\x18\x05 \x01(\x08J\x04\x08\x10\x10\x18\"\xd2\x03\n\nTokenChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x12\n\ntext_delta\x18\x03 \x01(\t\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.strata.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.strata.v1.Usage\x12\x12\n\x08stop_str\x18\x06 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x07 \x01(\rH\x00\x12#\n\x07timings\x18\x08 \x01(\x0b\x32\x12.strata.v1.Timings\x12\x1a\n\x12\x62locks_transferred\x18\t \x01(\r\x12\x19\n\x11\x62locks_from_store\x18\n \x01(\r\x12\x19\n\x11\x62locks_recomputed\x18\x0b \x01(\r\x12\x1a\n\x12kv_fallback_reason\x18\x0c \x01(\t\x12*\n\x08logprobs\x18\r \x03(\x0b\x32\x18.strata.v1.TokenLogprobs\x12\x31\n\x0fprompt_logprobs\x18\x0e \x03(\x0b\x32\x18.strata.v1.TokenLogprobsB\r\n\x0bstop_reasonJ\x04\x08\x0f\x10\x10J\x04\x08\x10\x10\x14\"$\n\x10ReleaseKvRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"%\n\x11ReleaseKvResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"(\n\x12WorkerAbortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"$\n\x13WorkerAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"\x7f\n\x0eHealthResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12#\n\x04role\x18\x02 \x01(\x0e\x32\x15.strata.v1.WorkerRole\x12%\n\x05state\x18\x03 \x01(\x0e\x32\x16.strata.v1.WorkerState\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\"\x0e\n\x0cStatsRequest\"s\n\rStatsResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12#\n\x04load\x18\x02 \x01(\x0b\x32\x15.strata.v1.WorkerLoad\x12*\n\x05\x63\x61\x63he\x18\x03 \x01(\x0b\x32\x1b.strata.v1.WorkerCacheStats2\xef\x04\n\x06Worker\x12@\n\x07Prefill\x12\x19.strata.v1.PrefillRequest\x1a\x1a.strata.v1.PrefillResponse\x12;\n\x06\x44\x65\x63ode\x12\x18.strata.v1.DecodeRequest\x1a\x15.strata.v1.TokenChunk0\x01\x12\x45\n\x08Generate\x12 .strata.v1.WorkerGenerateRequest\x1a\x15.strata.v1.TokenChunk0\x01\x12\x46\n\tReleaseKv\x12\x1b.strata.v1.ReleaseKvRequest\x1a\x1c.strata.v1.ReleaseKvResponse\x12\x46\n\x05\x41\x62ort\x12\x1d.strata.v1.WorkerAbortRequest\x1a\x1e.strata.v1.WorkerAbortResponse\x12=\n\x06Health\x12\x18.strata.v1.HealthRequest\x1a\x19.strata.v1.HealthResponse\x12:\n\x05Stats\x12\x17.strata.v1.StatsRequest\x1a\x18.strata.v1.StatsResponse\x12I\n\nEvictCache\x12\x1c.strata.v1.EvictCacheRequest\x1a\x1d.strata.v1.EvictCacheResponse\x12I\n\nFlushCache\x12\x1c.strata.v1.FlushCacheRequest\x1a\x1d.strata.v1.FlushCacheResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,29 +35,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLREQUEST']._serialized_start=62
   _globals['_PREFILLREQUEST']._serialized_end=232
   _globals['_PREFILLRESPONSE']._serialized_start=235
-  _globals['_PREFILLRESPONSE']._serialized_end=592
-  _globals['_DECODEREQUEST']._serialized_start=595
-  _globals['_DECODEREQUEST']._serialized_end=819
-  _globals['_WORKERGENERATEREQUEST']._serialized_start=822
-  _globals['_WORKERGENERATEREQUEST']._serialized_end=974
-  _globals['_TOKENCHUNK']._serialized_start=977
-  _globals['_TOKENCHUNK']._serialized_end=1392
-  _globals['_RELEASEKVREQUEST']._serialized_start=1394
-  _globals['_RELEASEKVREQUEST']._serialized_end=1430
-  _globals['_RELEASEKVRESPONSE']._serialized_start=1432
-  _globals['_RELEASEKVRESPONSE']._serialized_end=1469
-  _globals['_WORKERABORTREQUEST']._serialized_start=1471
-  _globals['_WORKERABORTREQUEST']._serialized_end=1511
-  _globals['_WORKERABORTRESPONSE']._serialized_start=1513
-  _globals['_WORKERABORTRESPONSE']._serialized_end=1549
-  _globals['_HEALTHREQUEST']._serialized_start=1551
-  _globals['_HEALTHREQUEST']._serialized_end=1566
-  _globals['_HEALTHRESPONSE']._serialized_start=1568
-  _globals['_HEALTHRESPONSE']._serialized_end=1695
-  _globals['_STATSREQUEST']._serialized_start=1697
-  _globals['_STATSREQUEST']._serialized_end=1711
-  _globals['_STATSRESPONSE']._serialized_start=1713
-  _globals['_STATSRESPONSE']._serialized_end=1828
-  _globals['_WORKER']._serialized_start=1831
-  _globals['_WORKER']._serialized_end=2454
+  _globals['_PREFILLRESPONSE']._serialized_end=643
+  _globals['_DECODEREQUEST']._serialized_start=646
+  _globals['_DECODEREQUEST']._serialized_end=870
+  _globals['_WORKERGENERATEREQUEST']._serialized_start=873
+  _globals['_WORKERGENERATEREQUEST']._serialized_end=1025
+  _globals['_TOKENCHUNK']._serialized_start=1028
+  _globals['_TOKENCHUNK']._serialized_end=1494
+  _globals['_RELEASEKVREQUEST']._serialized_start=1496
+  _globals['_RELEASEKVREQUEST']._serialized_end=1532
+  _globals['_RELEASEKVRESPONSE']._serialized_start=1534
+  _globals['_RELEASEKVRESPONSE']._serialized_end=1571
+  _globals['_WORKERABORTREQUEST']._serialized_start=1573
+  _globals['_WORKERABORTREQUEST']._serialized_end=1613
+  _globals['_WORKERABORTRESPONSE']._serialized_start=1615
+  _globals['_WORKERABORTRESPONSE']._serialized_end=1651
+  _globals['_HEALTHREQUEST']._serialized_start=1653
+  _globals['_HEALTHREQUEST']._serialized_end=1668
+  _globals['_HEALTHRESPONSE']._serialized_start=1670
+  _globals['_HEALTHRESPONSE']._serialized_end=1797
+  _globals['_STATSREQUEST']._serialized_start=1799
+  _globals['_STATSREQUEST']._serialized_end=1813
+  _globals['_STATSRESPONSE']._serialized_start=1815
+  _globals['_STATSRESPONSE']._serialized_end=1930
+  _globals['_WORKER']._serialized_start=1933
+  _globals['_WORKER']._serialized_end=2556
 # @@protoc_insertion_point(module_scope)

@@ -24,7 +24,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., lease_ms: _Optional[int] = ..., decode_worker_id: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "first_token_id", "first_text_delta", "kv", "timings", "cached_tokens", "finish_reason", "worker_id", "stop_str", "stop_token_id", "first_logprobs")
+    __slots__ = ("request_id", "first_token_id", "first_text_delta", "kv", "timings", "cached_tokens", "finish_reason", "worker_id", "stop_str", "stop_token_id", "first_logprobs", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TEXT_DELTA_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class PrefillResponse(_message.Message):
     STOP_STR_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token_id: int
     first_text_delta: str
@@ -47,7 +48,8 @@ class PrefillResponse(_message.Message):
     stop_str: str
     stop_token_id: int
     first_logprobs: _common_pb2.TokenLogprobs
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_text_delta: _Optional[str] = ..., kv: _Optional[_Union[_common_pb2.KvHandle, _Mapping]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., worker_id: _Optional[str] = ..., stop_str: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., first_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_text_delta: _Optional[str] = ..., kv: _Optional[_Union[_common_pb2.KvHandle, _Mapping]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., worker_id: _Optional[str] = ..., stop_str: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., first_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "first_token_id", "kv", "sampling", "cache_salt", "skip_text", "cached_tokens")
@@ -84,7 +86,7 @@ class WorkerGenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., skip_text: _Optional[bool] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text_delta", "finish_reason", "usage", "stop_str", "stop_token_id", "timings", "blocks_transferred", "blocks_from_store", "blocks_recomputed", "kv_fallback_reason", "logprobs")
+    __slots__ = ("request_id", "token_ids", "text_delta", "finish_reason", "usage", "stop_str", "stop_token_id", "timings", "blocks_transferred", "blocks_from_store", "blocks_recomputed", "kv_fallback_reason", "logprobs", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_DELTA_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +100,7 @@ class TokenChunk(_message.Message):
     BLOCKS_RECOMPUTED_FIELD_NUMBER: _ClassVar[int]
     KV_FALLBACK_REASON_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text_delta: str
@@ -111,7 +114,8 @@ class TokenChunk(_message.Message):
     blocks_recomputed: int
     kv_fallback_reason: str
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text_delta: _Optional[str] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., stop_str: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., blocks_transferred: _Optional[int] = ..., blocks_from_store: _Optional[int] = ..., blocks_recomputed: _Optional[int] = ..., kv_fallback_reason: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text_delta: _Optional[str] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., stop_str: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., blocks_transferred: _Optional[int] = ..., blocks_from_store: _Optional[int] = ..., blocks_recomputed: _Optional[int] = ..., kv_fallback_reason: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class ReleaseKvRequest(_message.Message):
     __slots__ = ("lease_id",)

@@ -130,6 +130,24 @@ def test_logprobs_cross_the_router_and_match_the_engine_in_process(client, promp
     assert client.generate(prompt, max_tokens=2).logprobs == []
 
 
+@pytest.mark.parametrize("prompt", [LONG_PROMPT, SHORT_PROMPT], ids=["disaggregated", "local"])
+def test_prompt_logprobs_come_once_on_the_first_chunk_and_match_the_engine_in_process(client, prompt):
+    from engine.sampling_params import SamplingParams
+    from strata.llm import LLM
+
+    prompt = fresh(prompt)
+    chunks = list(client.stream(prompt, max_tokens=3, ignore_eos=True, prompt_logprobs=2))
+    assert chunks[0].prompt_logprobs and not any(c.prompt_logprobs for c in chunks[1:])
+    local = LLM(bundled_model(), num_blocks=64).generate(
+        [prompt], SamplingParams(max_tokens=3, ignore_eos=True, prompt_logprobs=2))[0]
+    got = chunks[0].prompt_logprobs
+    assert len(got) == len(local.prompt_logprobs) - 1
+    for g, w in zip(got, local.prompt_logprobs[1:]):
+        assert (g.sampled.token_id, g.rank) == (w.token_id, w.rank)
+        assert g.sampled.logprob == pytest.approx(w.logprob, abs=1e-4)
+        assert [t.token_id for t in g.top] == [t for t, _ in w.top]
+
+
 def test_logit_bias_reaches_both_workers(client):
     """A +100 bias makes every token the biased one: the prefill worker's first token and the decode worker's rest."""
     out = client.generate(fresh(LONG_PROMPT), max_tokens=5, ignore_eos=True, logit_bias={1234: 100.0}, logprobs=1,

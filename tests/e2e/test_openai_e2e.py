@@ -73,6 +73,33 @@ def test_completion_logprobs_whole_and_streamed(client):
     assert offsets == lp.text_offset
 
 
+def test_echo_with_logprobs_scores_the_prompt_whole_and_streamed(client):
+    """What evaluation harnesses ask for: the prompt echoed with a logprob per token (null for the first)."""
+    plain = {"ignore_eos": True, "repetition_penalty": 1.0}
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, logprobs=1,
+                                      echo=True, extra_body=plain)
+    choice = whole.choices[0]
+    lp = choice.logprobs
+    n_prompt = whole.usage.prompt_tokens
+    assert len(lp.tokens) == n_prompt + 2 and choice.text.startswith(PROMPT)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None and v <= 0.0 for v in lp.token_logprobs[1:])
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    stream = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, logprobs=1,
+                                            echo=True, stream=True, extra_body=plain))
+    assert stream[0].choices[0].text == PROMPT
+    tokens = [t for c in stream if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    values = [v for c in stream if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    assert tokens == lp.tokens and values[0] is None
+    assert values[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
+    vllm = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, extra_body={"prompt_logprobs": 0})
+    scored = vllm.model_dump()["choices"][0]["prompt_logprobs"]
+    assert scored[0] is None and len(scored) == vllm.usage.prompt_tokens
+    assert all(len(d) == 1 and next(iter(d.values()))["rank"] >= 1 for d in scored[1:])  # the token itself only
+    assert all(any(v["logprob"] == pytest.approx(x, abs=1e-5) for v in d.values())
+               for d, x in zip(scored[1:], lp.token_logprobs[1:n_prompt]))
+
+
 def test_chat_logprobs_and_top_logprobs(client):
     messages = [{"role": "user", "content": "Add two numbers."}]
     whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0.7, seed=9,

@@ -110,6 +110,30 @@ def test_logprobs_match_one_engine_first_token_from_prefill_rest_from_decode(wor
     assert plain.logprobs == [] and not plain.prefill.HasField("first_logprobs")
 
 
+def assert_same_entries(got: list, want: list) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert (g.sampled.token_id, g.rank) == (w.token_id, w.rank)
+        assert g.sampled.logprob == pytest.approx(w.logprob, abs=1e-5)
+        assert [t.token_id for t in g.top] == [t for t, _ in w.top]
+
+
+@pytest.mark.timeout(600)
+def test_prompt_logprobs_come_from_the_prefill_worker_or_the_local_generate(workers, reference):
+    from worker_common.client import local
+
+    prompt = make_prompt(random.Random(8), 45)
+    params = greedy(4, prompt_logprobs=2, logprobs=1)
+    want = reference.generate([prompt], params)[0]
+    got = disaggregated(workers[0].stub(), workers[1].stub(), "prompt-logprobs", prompt, params)
+    assert_same(got, want)
+    assert_same_entries(got.prompt_logprobs, want.prompt_logprobs[1:])
+    assert_same_entries(got.logprobs, want.logprobs)
+    alone = local(workers[1].stub(), "prompt-logprobs-local", prompt, params)
+    assert_same(alone, want)
+    assert_same_entries(alone.prompt_logprobs, want.prompt_logprobs[1:])
+
+
 @pytest.mark.timeout(600)
 def test_min_tokens_is_held_by_the_prefill_worker_too(workers, reference):
     """The first token, sampled on the prefill worker, may not be a stop token before min_tokens either."""

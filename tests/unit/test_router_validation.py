@@ -124,7 +124,8 @@ def test_check_prompt_shortens_the_default_max_tokens_to_the_room_left():
     ({"prompt": "hi", "logprobs": 21}, "logprobs"),
     ({"prompt": "hi", "logprobs": -1}, "logprobs"),
     ({"prompt": "hi", "logprobs": True}, "logprobs"),
-    ({"prompt": "hi", "logprobs": 2, "echo": True}, "logprobs"),
+    ({"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt": "hi", "logprobs": 21, "echo": True}, "logprobs"),
     ({"prompt": "hi", "top_logprobs": 2}, "top_logprobs"),
     ({"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
     ({"prompt": "hi", "frequency_penalty": "x"}, "frequency_penalty"),
@@ -170,6 +171,16 @@ def test_chat_messages_are_checked_and_rendered():
     assert params.prompt_text == "TEMPLATED" and not params.add_special_tokens
     assert params.sampling.max_tokens == 2 and opts.chat
     assert seen == [({"role": "user", "content": "hi"},)]
+
+
+def test_prompt_logprobs_from_echo_with_logprobs_or_vllms_option():
+    echo, _ = from_completion({"model": "tiny", "prompt": "hi", "echo": True, "logprobs": 2}, MODELS, "r")
+    assert (echo.sampling.logprobs, echo.sampling.prompt_logprobs) == (2, 2)
+    plain, _ = from_completion({"model": "tiny", "prompt": "hi", "logprobs": 2}, MODELS, "r")
+    assert plain.sampling.prompt_logprobs is None
+    explicit, _ = from_completion({"model": "tiny", "prompt": "hi", "prompt_logprobs": 0}, MODELS, "r")
+    assert (explicit.sampling.logprobs, explicit.sampling.prompt_logprobs) == (None, 0)
+    assert from_grpc(make_grpc(prompt_logprobs=3), MODELS).sampling.prompt_logprobs == 3
 
 
 def test_logprobs_options_of_each_door():
