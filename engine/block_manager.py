@@ -153,6 +153,7 @@ class BlockManager:
         table = self._tables.pop(request.request_id, None)
         self._num_committed.pop(request.request_id, None)
         if table:
+            request.freed_block_ids = table  # NOTE: the KV stays readable until the next allocation (a hand-off)
             self.pool.release(reversed(table))
 
     def full_blocks(self, request: Request) -> list[FullBlock]:

@@ -28,6 +28,10 @@ class Runner(Protocol):
         """float32 logits [sum(seq.num_logits), vocab], rows in batch order (each seq's last positions)."""
         ...
 
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Overwrite whole cache blocks with `data` [n, layers, 2, block_size, kv_heads, head_dim]."""
+        ...
+
 
 class Tokenizer(Protocol):
     def encode(self, text: str): ...  # list[int] (engine.tokenizer) or an Encoding with .ids (tokenizers)
@@ -85,6 +89,8 @@ class LLMEngine:
         step = self.scheduler.schedule()
         if not step.batch.seqs:
             return []
+        if step.preloads:  # KV computed elsewhere for blocks this step's requests now own
+            self.runner.write_blocks([b for b, _ in step.preloads], torch.stack([kv for _, kv in step.preloads]))
         logits = self.runner.execute(step.batch)  # [sum(num_logits), vocab]
         updates = self.scheduler.update(step, self._sample(step, logits))
         outputs = [self._output(update) for update in updates]

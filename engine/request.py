@@ -44,7 +44,7 @@ class Request:
 
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "token_ids", "params", "status",
                  "num_computed_tokens", "num_cached_tokens", "num_preemptions", "arrival_index", "hash_root",
-                 "block_hashes", "output_logprobs", "prompt_logprobs")
+                 "block_hashes", "output_logprobs", "prompt_logprobs", "preloaded_kv", "freed_block_ids")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  arrival_index: int = 0, hash_root: bytes | None = None) -> None:
@@ -64,6 +64,11 @@ class Request:
         self.block_hashes: list[bytes] = []           # chained hashes of full blocks of token_ids, filled lazily
         self.output_logprobs: list | None = None      # engine.outputs.TokenLogprobs per output sampled here
         self.prompt_logprobs: list = []               # TokenLogprobs of prompt tokens 1.. (params.prompt_logprobs)
+        # KV for the partial block right after the full blocks of the prompt, computed elsewhere (a prefill
+        # worker's hand-off): (tensor [layers, 2, block_size, kv_heads, head_dim], tokens it holds). Installed once
+        # when the request is first allocated right behind those full blocks; otherwise those tokens are computed.
+        self.preloaded_kv: tuple | None = None
+        self.freed_block_ids: list[int] = []          # the table it held when freed (readable until reallocated)
 
     @property
     def num_tokens(self) -> int:

@@ -27,6 +27,7 @@ class ScheduledStep(NamedTuple):
     batch: StepBatch
     requests: list[Request]      # parallel to batch.seqs
     preempted: list[Request]     # preempted while building this step (now waiting)
+    preloads: Sequence[tuple[int, object]] = ()   # (block id, KV tensor) to write before the step runs
 
 
 class RequestUpdate(NamedTuple):
@@ -35,12 +36,13 @@ class RequestUpdate(NamedTuple):
 
 
 class _Plan:
-    __slots__ = ("budget", "planned", "preempted")
+    __slots__ = ("budget", "planned", "preempted", "preloads")
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
         self.planned: dict[Request, int] = {}    # request -> tokens this step, in batch order
         self.preempted: list[Request] = []
+        self.preloads: list[tuple[int, object]] = []
 
 
 def _arrival(request: Request) -> int:
@@ -145,12 +147,18 @@ class Scheduler:
         while self._waiting and plan.budget > 0 and len(self._running) < self.config.max_num_seqs:
             request = self._waiting[0]
             prefix = bm.match_prefix(request)
-            remaining = request.num_tokens - prefix.num_tokens
+            preload = self._usable_preload(request, prefix.num_tokens)
+            remaining = request.num_tokens - prefix.num_tokens - preload
             num_new = min(remaining, plan.budget)
             if num_new < remaining and not chunked:
                 return
-            if not bm.allocate(request, prefix, num_new):
+            if not bm.allocate(request, prefix, preload + num_new):
                 return
+            if preload:
+                request.num_computed_tokens += preload
+                block_id = bm.block_table(request.request_id)[len(prefix.block_ids)]
+                plan.preloads.append((block_id, request.preloaded_kv[0]))
+            request.preloaded_kv = None  # one chance: after a preemption those tokens are computed
             self._waiting.popleft()
             request.status = RequestStatus.RUNNING
             bisect.insort(self._running, request, key=_arrival)
@@ -167,7 +175,19 @@ class Scheduler:
             num_logits = num_new if request.needs_prompt_logprobs else 1 if final else 0
             seqs.append(ScheduledSeq(request.request_id, request.token_ids[start:start + num_new], start,
                                      list(table(request.request_id)), num_logits))
-        return ScheduledStep(StepBatch(seqs), list(plan.planned), plan.preempted)
+        return ScheduledStep(StepBatch(seqs), list(plan.planned), plan.preempted, plan.preloads)
+
+    def _usable_preload(self, request: Request, prefix_tokens: int) -> int:
+        """Tokens of `request.preloaded_kv` that can be installed: its block must follow the prefix hit exactly and
+        leave at least one token to compute (the one whose logits are sampled)."""
+        if request.preloaded_kv is None:
+            return 0
+        num_tokens = request.preloaded_kv[1]
+        full = (request.num_prompt_tokens // self.block_manager.block_size) * self.block_manager.block_size
+        if prefix_tokens != full or not 0 < num_tokens < self.block_manager.block_size \
+                or full + num_tokens >= request.num_tokens:
+            return 0
+        return num_tokens
 
     def _preempt(self, request: Request) -> None:
         self._running.remove(request)
