@@ -5,7 +5,9 @@
                            ->  this worker's store tiers (host, disk, Redis, S3)  ->  recompute
 
 Every transferred or stored block is verified by the codec (namespace, hash, layout, checksum) before use; a bad
-block ends the run there. A failed read is reported in `reason` ("lease expired", "peer unreachable",
+block ends the run there. The handle's partial last block (`tail`) rides in the same read and is verified the same
+way against the hash of the prompt's last tokens; it is never in the store, so without it those tokens are
+recomputed. A failed read is reported in `reason` ("lease expired", "peer unreachable",
 "deadline exceeded", "checksum mismatch", ...) and counted, not raised.
 """
 from __future__ import annotations
@@ -15,6 +17,7 @@ import time
 from typing import NamedTuple, Sequence
 
 from kvstore import codec
+from kvstore.hashing import hash_block
 from kvstore.store import TieredStore
 from kvstore.transfer import (Descriptor, LeaseExpired, PeerUnavailable, TransferAgent, TransferError,
                               TransferTimeout, UnknownRegion, pack_views)
@@ -35,6 +38,7 @@ class PullResult(NamedTuple):
     from_store: int
     reason: str                          # why blocks were not transferred; "" when every block was
     elapsed_s: float
+    tail: memoryview | None = None       # verified payload of the handle's partial last block, when usable
 
 
 class KvPuller:
@@ -42,30 +46,41 @@ class KvPuller:
         self.bundle, self.store, self.agent, self.deadline_s = bundle, store, agent, deadline_s
         self.counts = {"transferred": 0, "from_store": 0, "recomputed": 0, "failed_reads": 0}
 
-    def pull(self, kv: common_pb2.KvHandle, num_blocks: int) -> PullResult:
-        """The first `num_blocks` blocks of the handle (the rest are recomputed by the engine anyway)."""
+    def pull(self, kv: common_pb2.KvHandle, num_blocks: int, prompt: Sequence[int]) -> PullResult:
+        """The first `num_blocks` blocks of the handle (the rest are recomputed by the engine anyway), and its tail
+        when it ends the prompt right after them (read in the same batch; only of use when every block is had)."""
         started = time.perf_counter()
         hashes = list(kv.block_hashes[:num_blocks])
+        tail_hash = self._tail_hash(kv, hashes, prompt)
         on_device = device_prefix_blocks(self.bundle, hashes)
         payloads: list[memoryview | None] = [None] * on_device
-        transferred, reason = self._transfer(kv, hashes, on_device)
+        transferred, tail, reason = self._transfer(kv, hashes, on_device, tail_hash)
         payloads += transferred
         from_store = load_from_store(self.bundle, self.store, hashes[len(payloads):], kv.namespace_fingerprint)
         payloads += from_store
         if len(transferred) < len(hashes) - on_device and not reason:
             reason = "not transferred"
         return PullResult(payloads, on_device, len(transferred), len(from_store), reason,
-                          time.perf_counter() - started)
+                          time.perf_counter() - started, tail if len(payloads) == len(hashes) else None)
 
-    def _transfer(self, kv: common_pb2.KvHandle, hashes: Sequence[bytes], start: int) -> tuple[list, str]:
-        locations = kv.blocks[start:len(hashes)]
+    def _tail_hash(self, kv: common_pb2.KvHandle, hashes: Sequence[bytes], prompt: Sequence[int]) -> bytes | None:
+        """The hash the handle's tail must carry, when it holds exactly the prompt's tokens after `hashes`."""
+        bs = self.bundle.block_size
+        if not kv.HasField("tail") or len(hashes) != len(kv.block_hashes) or \
+                len(hashes) * bs + kv.tail_tokens != len(prompt) or not 0 < kv.tail_tokens < bs:
+            return None
+        return hash_block(hashes[-1] if hashes else bytes(kv.namespace_fingerprint), prompt[len(hashes) * bs:])
+
+    def _transfer(self, kv: common_pb2.KvHandle, hashes: Sequence[bytes], start: int,
+                  tail_hash: bytes | None) -> tuple[list, memoryview | None, str]:
+        locations = list(kv.blocks[start:len(hashes)]) + ([kv.tail] if tail_hash is not None else [])
         if not locations:
-            return [], ""
+            return [], None, ""
         if any(loc.backend != self.agent.backend for loc in locations):
-            return [], f"backend {locations[0].backend!r} is not this worker's ({self.agent.backend!r})"
+            return [], None, f"backend {locations[0].backend!r} is not this worker's ({self.agent.backend!r})"
         remaining_s = kv.lease_deadline_unix_ms / 1000.0 - time.time() if kv.lease_deadline_unix_ms else None
         if remaining_s is not None and remaining_s <= 0:
-            return [], "lease expired"
+            return [], None, "lease expired"
         descs = [Descriptor(loc.agent_address, loc.region_id, loc.offset, loc.length,
                             loc.transfer_lease_id if loc.HasField("transfer_lease_id") else None)
                  for loc in locations]
@@ -76,8 +91,14 @@ class KvPuller:
         except TransferError as exc:
             self.counts["failed_reads"] += 1
             log.info("KV transfer failed (%s); falling back to the store", exc)
-            return [], next((text for cls, text in _REASONS if isinstance(exc, cls)), f"transfer error: {exc}")
-        return self._verify(kv.namespace_fingerprint, hashes[start:], views)
+            return [], None, next((text for cls, text in _REASONS if isinstance(exc, cls)), f"transfer error: {exc}")
+        block_views = views[:len(hashes) - start]
+        payloads, reason = self._verify(kv.namespace_fingerprint, hashes[start:], block_views)
+        tail = None
+        if tail_hash is not None and not reason:
+            tail, reason = self._verify(kv.namespace_fingerprint, [tail_hash], views[-1:])
+            tail = tail[0] if tail else None
+        return payloads, tail, reason
 
     def _verify(self, fingerprint: bytes, hashes: Sequence[bytes], views: list[memoryview]) -> tuple[list, str]:
         payloads = []

@@ -63,13 +63,16 @@ class DecodeService(WorkerBase):
             num_blocks = min(len(request.kv.block_hashes),
                              cacheable_blocks(len(prompt) + 1, self.bundle.block_size))
             with self._pull_lock:
-                pulled = self.puller.pull(request.kv, num_blocks)
+                pulled = self.puller.pull(request.kv, num_blocks, prompt)
             self._release_async(request.kv)
             hashes = list(request.kv.block_hashes[:len(pulled.payloads)])
             # NOTE: the prompt's logprobs came with the first token from the prefill worker: not computed again
             installed = self._admit(tracked, request.request_id, prompt, replace(params, prompt_logprobs=None),
-                                    fingerprint, hashes, pulled.payloads, context, first_token=request.first_token_id)
+                                    fingerprint, hashes, pulled.payloads, context, first_token=request.first_token_id,
+                                    tail=pulled.tail)
             blocks = _block_counts(pulled, installed.num_blocks, len(request.kv.block_hashes))
+            if pulled.tail is not None and installed.num_blocks == len(hashes):
+                blocks["tail_tokens"] = request.kv.tail_tokens
             timings = common_pb2.Timings(transfer_ms=ms(pulled.elapsed_s))
             yield from self._stream(tracked, request.request_id, context, timings, len(prompt),
                                     request.cached_tokens, blocks, pulled.reason)
@@ -81,10 +84,10 @@ class DecodeService(WorkerBase):
             check_handle(kv, len(prompt))
         except InvalidArgument as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        if kv.block_hashes and bytes(kv.namespace_fingerprint) != fingerprint:
+        if (kv.block_hashes or kv.HasField("tail")) and bytes(kv.namespace_fingerprint) != fingerprint:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "kv.namespace_fingerprint is not this worker's "
                           "namespace (model, KV layout/dtype and cache_salt must match)")
-        if kv.block_hashes and kv.block_size != self.bundle.block_size:
+        if (kv.block_hashes or kv.HasField("tail")) and kv.block_size != self.bundle.block_size:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"kv.block_size is {kv.block_size}, this worker's "
                           f"is {self.bundle.block_size}")
         if kv.block_hashes and list(kv.block_hashes) != hash_blocks(fingerprint, prompt, kv.block_size)[
@@ -171,10 +174,11 @@ class DecodeService(WorkerBase):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
     def _admit(self, tracked: StreamingRequest, request_id: str, prompt: list[int], params: SamplingParams,
-               fingerprint: bytes, hashes: Sequence[bytes], payloads, context, first_token: int | None = None):
+               fingerprint: bytes, hashes: Sequence[bytes], payloads, context, first_token: int | None = None,
+               tail: memoryview | None = None):
         try:
             installed = self.loop.post(lambda: admit(self.loop, tracked, request_id, prompt, engine_params(params),
-                                                     fingerprint, hashes, payloads, first_token)).result()
+                                                     fingerprint, hashes, payloads, first_token, tail)).result()
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         context.add_callback(lambda: self.loop.abort(request_id, "client cancelled"))
@@ -213,6 +217,7 @@ class DecodeService(WorkerBase):
                     chunk.blocks_transferred = blocks["transferred"]
                     chunk.blocks_from_store = blocks["from_store"]
                     chunk.blocks_recomputed = blocks["recomputed"]
+                    chunk.tail_tokens_transferred = blocks.get("tail_tokens", 0)
                     chunk.kv_fallback_reason = reason
             yield chunk
 

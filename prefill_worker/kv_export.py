@@ -1,8 +1,10 @@
 """Prefill side of the KV hand-off: pin a finished prompt's full blocks in the hand-off region, write the new ones
-to the store, and describe them in a `KvHandle` under one lease (DESIGN §2 step 3).
+to the store, and describe them in a `KvHandle` under one lease (DESIGN §2 step 3). The trailing partial block (the
+prompt's last `len % block_size` tokens) goes in the handle's `tail`: hashed like a block (so the reader can verify
+it), never stored or indexed, alive only under the lease.
 
 Runs on the engine thread right after the step that sampled the first token: the request's blocks were just freed
-into the prefix cache, and no later step has run, so they still hold its KV.
+(the full ones into the prefix cache), and no later step has run, so they all still hold its KV.
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import logging
 import time
 from typing import NamedTuple, Sequence
 
+from kvstore.hashing import hash_block
 from kvstore.store import TieredStore
 from kvstore.transfer import TransferAgent
 from strata.v1 import common_pb2
@@ -33,18 +36,45 @@ class KvExporter:
         self.worker_id = worker_id
         self.worker_address = ""          # set once the gRPC server listens
 
-    def export(self, prompt: Sequence[int], hashes: Sequence[bytes], fingerprint: bytes, ttl_s: float) -> Export:
+    def export(self, prompt: Sequence[int], hashes: Sequence[bytes], fingerprint: bytes, ttl_s: float,
+               freed_block_ids: Sequence[int] = ()) -> Export:
+        """`freed_block_ids`: the request's block table when it finished (its tail block is read from it)."""
         started = time.perf_counter()
+        bs = self.bundle.block_size
         slots = self._pin_leading(prompt, hashes, fingerprint)
-        handle = common_pb2.KvHandle(namespace_fingerprint=fingerprint, block_size=self.bundle.block_size,
-                                     block_hashes=list(hashes[:len(slots)]),
-                                     num_tokens=len(slots) * self.bundle.block_size)
-        if slots:
-            lease = self.leases.grant(slots, ttl_s)
+        handle = common_pb2.KvHandle(namespace_fingerprint=fingerprint, block_size=bs,
+                                     block_hashes=list(hashes[:len(slots)]), num_tokens=len(slots) * bs)
+        tail = None
+        if len(slots) == len(hashes) == len(prompt) // bs and len(freed_block_ids) > len(hashes):
+            tail = self._pin_tail(prompt, hashes, fingerprint, freed_block_ids[len(hashes)])
+        if slots or tail is not None:
+            lease = self.leases.grant(slots + ([tail] if tail is not None else []), ttl_s)
             handle.blocks.extend(self._location(slot, lease.transfer_lease_id) for slot in slots)
+            if tail is not None:
+                handle.tail.CopyFrom(self._location(tail, lease.transfer_lease_id))
+                handle.tail_tokens = len(prompt) % bs
+                handle.num_tokens += handle.tail_tokens
             handle.lease_id, handle.lease_deadline_unix_ms = lease.lease_id, lease.deadline_unix_ms
             handle.lease_worker_address = self.worker_address
         return Export(handle, time.perf_counter() - started)
+
+    def _pin_tail(self, prompt: Sequence[int], hashes: Sequence[bytes], fingerprint: bytes,
+                  block_id: int) -> int | None:
+        """A pinned slot holding the encoded partial last block (no store write), or None when none is free."""
+        tokens = list(prompt[len(hashes) * self.bundle.block_size:])
+        if not tokens:
+            return None
+        parent = hashes[-1] if hashes else fingerprint
+        tail_hash = hash_block(parent, tokens)
+        pinned = self.pool.pin(tail_hash)
+        if pinned is None:
+            return None
+        if pinned.view is not None:
+            payload = read_device_payloads(self.bundle, [block_id])[0]
+            length = encode_block(pinned.view, self.bundle, fingerprint, tail_hash, hashes[-1] if hashes else None,
+                                  tokens, payload)
+            self.pool.commit(pinned.slot, tail_hash, length)
+        return pinned.slot
 
     def _pin_leading(self, prompt: Sequence[int], hashes: Sequence[bytes], fingerprint: bytes) -> list[int]:
         """Pin a slot per leading block (encoding the ones the region lacks); stops at the first that cannot be."""

@@ -69,7 +69,8 @@ class PrefillJob(Tracked):
         elif length:
             response.finish_reason = common_pb2.FINISH_REASON_LENGTH
         else:
-            export = self.service.exporter.export(self.prompt, self.hashes, self.fingerprint, self.ttl_s)
+            export = self.service.exporter.export(self.prompt, self.hashes, self.fingerprint, self.ttl_s,
+                                                  self.request.freed_block_ids)
             response.kv.CopyFrom(export.handle)
             response.timings.store_ms = ms(export.store_s)
         self.response = response

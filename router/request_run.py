@@ -301,6 +301,7 @@ class RequestRun:
                 m.timings.queue_ms, m.timings.prefill_ms = t.queue_ms, t.prefill_ms
             m.blocks_transferred, m.blocks_from_store = last.blocks_transferred, last.blocks_from_store
             m.blocks_recomputed = last.blocks_recomputed
+            m.tail_tokens_transferred = last.tail_tokens_transferred
         if self.progress.first_token_at is not None:
             m.timings.ttft_ms = (self.progress.first_token_at - self.started) * 1000.0
 

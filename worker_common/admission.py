@@ -4,6 +4,7 @@
       install_blocks(hashes, payloads)        -> blocks written, registered in the prefix index, pinned
       engine.add_request(prompt, params)      -> its prefix match takes the pinned blocks at scheduling
       request.append_output(first_token)      -> (decode) the first token, sampled by the prefill worker
+      request.preloaded_kv = tail             -> (decode) the prompt's partial last block, when every full one is in
       loop.track(tracked)                     -> outputs fan out; pins released when the request leaves
 
 Appending the first token as an *output* (not a prompt token) keeps the sampler's position, max_tokens and the stop
@@ -16,13 +17,14 @@ from typing import Sequence
 
 from engine.sampling_params import SamplingParams
 from worker_common.engine_loop import EngineLoop, Tracked
-from worker_common.kv_blocks import InstallResult, install_blocks
+from worker_common.kv_blocks import InstallResult, install_blocks, payload_tensor
 
 
 def admit(loop: EngineLoop, tracked: Tracked, request_id: str, prompt: Sequence[int], params: SamplingParams,
           fingerprint: bytes, hashes: Sequence[bytes], payloads: Sequence[memoryview | None],
-          first_token: int | None = None) -> InstallResult:
-    """Engine thread only. Raises ValueError (nothing changed) when the engine refuses the request."""
+          first_token: int | None = None, tail: memoryview | None = None) -> InstallResult:
+    """Engine thread only. Raises ValueError (nothing changed) when the engine refuses the request. `tail`: the
+    verified payload of the block after `hashes` (the prompt's last tokens), used when every block got installed."""
     bundle = loop.bundle
     installed = install_blocks(bundle, hashes, payloads, prompt)
     try:
@@ -32,6 +34,8 @@ def admit(loop: EngineLoop, tracked: Tracked, request_id: str, prompt: Sequence[
         raise
     if first_token is not None:
         request.append_output(first_token)
+    if tail is not None and installed.num_blocks == len(hashes):
+        request.preloaded_kv = (payload_tensor(bundle, [tail])[0], len(prompt) - len(hashes) * bundle.block_size)
     tracked.request, tracked.pinned = request, installed.pinned
     tracked.arrived_at = time.perf_counter()  # queue time starts when the engine has the request
     loop.track(tracked)

@@ -95,7 +95,7 @@ def check_prompt(token_ids: Sequence[int], vocab_size: int, max_model_len: int) 
 
 def check_handle(kv: common_pb2.KvHandle, num_prompt_tokens: int) -> None:
     """KvHandle invariants (worker.proto); an empty handle is valid."""
-    if not kv.block_hashes and not kv.blocks:
+    if not kv.block_hashes and not kv.blocks and not kv.HasField("tail"):
         return
     if len(kv.namespace_fingerprint) != HASH_BYTES:
         raise InvalidArgument(f"kv.namespace_fingerprint must be {HASH_BYTES} bytes, "
@@ -107,6 +107,8 @@ def check_handle(kv: common_pb2.KvHandle, num_prompt_tokens: int) -> None:
     if len(kv.block_hashes) * kv.block_size > num_prompt_tokens:
         raise InvalidArgument(f"kv.block_hashes cover {len(kv.block_hashes) * kv.block_size} tokens, the prompt "
                               f"has {num_prompt_tokens}")
+    if kv.HasField("tail") and not 0 < kv.tail_tokens < kv.block_size:
+        raise InvalidArgument(f"kv.tail_tokens must be in [1, {kv.block_size}) with a tail, got {kv.tail_tokens}")
 
 
 def stop_reason_fields(stop_str: str | None, token_id: int | None, params: SamplingParams) -> dict:

@@ -86,7 +86,7 @@ def install_blocks(bundle: EngineBundle, hashes: Sequence[bytes], payloads: Sequ
             write_payloads.append(payload)
         pinned.append(block_id)
     if write_ids:
-        bundle.runner.write_blocks(write_ids, _payload_tensor(bundle, write_payloads))
+        bundle.runner.write_blocks(write_ids, payload_tensor(bundle, write_payloads))
         _announce(bundle, hashes, pinned, set(write_ids), tokens)
     return InstallResult(pinned, len(pinned), len(write_ids))
 
@@ -102,7 +102,8 @@ def _announce(bundle: EngineBundle, hashes: Sequence[bytes], block_ids: Sequence
                                    list(tokens[i * bs:(i + 1) * bs]))
 
 
-def _payload_tensor(bundle: EngineBundle, payloads: Sequence[memoryview]) -> torch.Tensor:
+def payload_tensor(bundle: EngineBundle, payloads: Sequence[memoryview]) -> torch.Tensor:
+    """Verified block payloads as one cache-shaped tensor `[n, layers, 2, block_size, kv_heads, head_dim]`."""
     size = bundle.layout.payload_bytes(bundle.kv_dtype)
     buf = bytearray(size * len(payloads))
     for i, payload in enumerate(payloads):

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from strata.v1 import common_pb2 as strata_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16strata/v1/strata.proto\x12\tstrata.v1\x1a\x16strata/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"]\n\rStreamOptions\x12\x11\n\tskip_text\x18\x01 \x01(\x08\x12 \n\x18include_prompt_token_ids\x18\x02 \x01(\x08\x12\x17\n\x0finclude_metrics\x18\x03 \x01(\x08\"\xf7\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.strata.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.strata.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x30\n\x0estream_options\x18\x07 \x01(\x0b\x32\x18.strata.v1.StreamOptionsB\x08\n\x06promptJ\x04\x08\x08\x10\tJ\x04\x08\t\x10\x10\"\xd3\x01\n\x0eRequestMetrics\x12\x19\n\x11prefill_worker_id\x18\x01 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x02 \x01(\t\x12\x15\n\rdisaggregated\x18\x03 \x01(\x08\x12#\n\x07timings\x18\x04 \x01(\x0b\x32\x12.strata.v1.Timings\x12\x1a\n\x12\x62locks_transferred\x18\x05 \x01(\r\x12\x19\n\x11\x62locks_from_store\x18\x06 \x01(\r\x12\x19\n\x11\x62locks_recomputed\x18\x07 \x01(\r\"\x8b\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x12\n\ntext_delta\x18\x03 \x01(\t\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.strata.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.strata.v1.Usage\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\r\x12\x12\n\x08stop_str\x18\x07 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x08 \x01(\rH\x00\x12*\n\x07metrics\x18\t \x01(\x0b\x32\x19.strata.v1.RequestMetrics\x12*\n\x08logprobs\x18\n \x03(\x0b\x32\x18.strata.v1.TokenLogprobs\x12\x31\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32\x18.strata.v1.TokenLogprobsB\r\n\x0bstop_reasonJ\x04\x08\x0c\x10\x10J\x04\x08\x10\x10\x14\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x13\n\x11ListModelsRequest\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.strata.v1.ModelInfo\"8\n\x14GetCacheStatsRequest\x12\x12\n\nworker_ids\x18\x01 \x03(\t\x12\x0c\n\x04tier\x18\x02 \x01(\t\"E\n\x15GetCacheStatsResponse\x12,\n\x07workers\x18\x01 \x03(\x0b\x32\x1b.strata.v1.WorkerCacheStats\"O\n\x12ListWorkersRequest\x12#\n\x04role\x18\x01 \x01(\x0e\x32\x15.strata.v1.WorkerRole\x12\x14\n\x0cinclude_dead\x18\x02 \x01(\x08\"=\n\x13ListWorkersResponse\x12&\n\x07workers\x18\x01 \x03(\x0b\x32\x15.strata.v1.WorkerInfo2\x8e\x04\n\x06Strata\x12\x45\n\x08Generate\x12\x1a.strata.v1.GenerateRequest\x1a\x1b.strata.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.strata.v1.AbortRequest\x1a\x18.strata.v1.AbortResponse\x12I\n\nListModels\x12\x1c.strata.v1.ListModelsRequest\x1a\x1d.strata.v1.ListModelsResponse\x12R\n\rGetCacheStats\x12\x1f.strata.v1.GetCacheStatsRequest\x1a .strata.v1.GetCacheStatsResponse\x12L\n\x0bListWorkers\x12\x1d.strata.v1.ListWorkersRequest\x1a\x1e.strata.v1.ListWorkersResponse\x12I\n\nEvictCache\x12\x1c.strata.v1.EvictCacheRequest\x1a\x1d.strata.v1.EvictCacheResponse\x12I\n\nFlushCache\x12\x1c.strata.v1.FlushCacheRequest\x1a\x1d.strata.v1.FlushCacheResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16strata/v1/strata.proto\x12\tstrata.v1\x1a\x16strata/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"]\n\rStreamOptions\x12\x11\n\tskip_text\x18\x01 \x01(\x08\x12 \n\x18include_prompt_token_ids\x18\x02 \x01(\x08\x12\x17\n\x0finclude_metrics\x18\x03 \x01(\x08\"\xf7\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.strata.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.strata.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x30\n\x0estream_options\x18\x07 \x01(\x0b\x32\x18.strata.v1.StreamOptionsB\x08\n\x06promptJ\x04\x08\x08\x10\tJ\x04\x08\t\x10\x10\"\xf4\x01\n\x0eRequestMetrics\x12\x19\n\x11prefill_worker_id\x18\x01 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x02 \x01(\t\x12\x15\n\rdisaggregated\x18\x03 \x01(\x08\x12#\n\x07timings\x18\x04 \x01(\x0b\x32\x12.strata.v1.Timings\x12\x1a\n\x12\x62locks_transferred\x18\x05 \x01(\r\x12\x19\n\x11\x62locks_from_store\x18\x06 \x01(\r\x12\x19\n\x11\x62locks_recomputed\x18\x07 \x01(\r\x12\x1f\n\x17tail_tokens_transferred\x18\x08 \x01(\r\"\x8b\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x12\n\ntext_delta\x18\x03 \x01(\t\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.strata.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.strata.v1.Usage\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\r\x12\x12\n\x08stop_str\x18\x07 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x08 \x01(\rH\x00\x12*\n\x07metrics\x18\t \x01(\x0b\x32\x19.strata.v1.RequestMetrics\x12*\n\x08logprobs\x18\n \x03(\x0b\x32\x18.strata.v1.TokenLogprobs\x12\x31\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32\x18.strata.v1.TokenLogprobsB\r\n\x0bstop_reasonJ\x04\x08\x0c\x10\x10J\x04\x08\x10\x10\x14\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x13\n\x11ListModelsRequest\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.strata.v1.ModelInfo\"8\n\x14GetCacheStatsRequest\x12\x12\n\nworker_ids\x18\x01 \x03(\t\x12\x0c\n\x04tier\x18\x02 \x01(\t\"E\n\x15GetCacheStatsResponse\x12,\n\x07workers\x18\x01 \x03(\x0b\x32\x1b.strata.v1.WorkerCacheStats\"O\n\x12ListWorkersRequest\x12#\n\x04role\x18\x01 \x01(\x0e\x32\x15.strata.v1.WorkerRole\x12\x14\n\x0cinclude_dead\x18\x02 \x01(\x08\"=\n\x13ListWorkersResponse\x12&\n\x07workers\x18\x01 \x03(\x0b\x32\x15.strata.v1.WorkerInfo2\x8e\x04\n\x06Strata\x12\x45\n\x08Generate\x12\x1a.strata.v1.GenerateRequest\x1a\x1b.strata.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.strata.v1.AbortRequest\x1a\x18.strata.v1.AbortResponse\x12I\n\nListModels\x12\x1c.strata.v1.ListModelsRequest\x1a\x1d.strata.v1.ListModelsResponse\x12R\n\rGetCacheStats\x12\x1f.strata.v1.GetCacheStatsRequest\x1a .strata.v1.GetCacheStatsResponse\x12L\n\x0bListWorkers\x12\x1d.strata.v1.ListWorkersRequest\x1a\x1e.strata.v1.ListWorkersResponse\x12I\n\nEvictCache\x12\x1c.strata.v1.EvictCacheRequest\x1a\x1d.strata.v1.EvictCacheResponse\x12I\n\nFlushCache\x12\x1c.strata.v1.FlushCacheRequest\x1a\x1d.strata.v1.FlushCacheResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,25 +39,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=182
   _globals['_GENERATEREQUEST']._serialized_end=429
   _globals['_REQUESTMETRICS']._serialized_start=432
-  _globals['_REQUESTMETRICS']._serialized_end=643
-  _globals['_GENERATERESPONSE']._serialized_start=646
-  _globals['_GENERATERESPONSE']._serialized_end=1041
-  _globals['_ABORTREQUEST']._serialized_start=1043
-  _globals['_ABORTREQUEST']._serialized_end=1077
-  _globals['_ABORTRESPONSE']._serialized_start=1079
-  _globals['_ABORTRESPONSE']._serialized_end=1094
-  _globals['_LISTMODELSREQUEST']._serialized_start=1096
-  _globals['_LISTMODELSREQUEST']._serialized_end=1115
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1117
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1175
-  _globals['_GETCACHESTATSREQUEST']._serialized_start=1177
-  _globals['_GETCACHESTATSREQUEST']._serialized_end=1233
-  _globals['_GETCACHESTATSRESPONSE']._serialized_start=1235
-  _globals['_GETCACHESTATSRESPONSE']._serialized_end=1304
-  _globals['_LISTWORKERSREQUEST']._serialized_start=1306
-  _globals['_LISTWORKERSREQUEST']._serialized_end=1385
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=1387
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=1448
-  _globals['_STRATA']._serialized_start=1451
-  _globals['_STRATA']._serialized_end=1977
+  _globals['_REQUESTMETRICS']._serialized_end=676
+  _globals['_GENERATERESPONSE']._serialized_start=679
+  _globals['_GENERATERESPONSE']._serialized_end=1074
+  _globals['_ABORTREQUEST']._serialized_start=1076
+  _globals['_ABORTREQUEST']._serialized_end=1110
+  _globals['_ABORTRESPONSE']._serialized_start=1112
+  _globals['_ABORTRESPONSE']._serialized_end=1127
+  _globals['_LISTMODELSREQUEST']._serialized_start=1129
+  _globals['_LISTMODELSREQUEST']._serialized_end=1148
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1150
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1208
+  _globals['_GETCACHESTATSREQUEST']._serialized_start=1210
+  _globals['_GETCACHESTATSREQUEST']._serialized_end=1266
+  _globals['_GETCACHESTATSRESPONSE']._serialized_start=1268
+  _globals['_GETCACHESTATSRESPONSE']._serialized_end=1337
+  _globals['_LISTWORKERSREQUEST']._serialized_start=1339
+  _globals['_LISTWORKERSREQUEST']._serialized_end=1418
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=1420
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=1481
+  _globals['_STRATA']._serialized_start=1484
+  _globals['_STRATA']._serialized_end=2010
 # @@protoc_insertion_point(module_scope)

@@ -42,7 +42,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., cache_salt: _Optional[str] = ..., stream_options: _Optional[_Union[StreamOptions, _Mapping]] = ...) -> None: ...
 
 class RequestMetrics(_message.Message):
-    __slots__ = ("prefill_worker_id", "decode_worker_id", "disaggregated", "timings", "blocks_transferred", "blocks_from_store", "blocks_recomputed")
+    __slots__ = ("prefill_worker_id", "decode_worker_id", "disaggregated", "timings", "blocks_transferred", "blocks_from_store", "blocks_recomputed", "tail_tokens_transferred")
     PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     DISAGGREGATED_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,7 @@ class RequestMetrics(_message.Message):
     BLOCKS_TRANSFERRED_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FROM_STORE_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_RECOMPUTED_FIELD_NUMBER: _ClassVar[int]
+    TAIL_TOKENS_TRANSFERRED_FIELD_NUMBER: _ClassVar[int]
     prefill_worker_id: str
     decode_worker_id: str
     disaggregated: bool
@@ -57,7 +58,8 @@ class RequestMetrics(_message.Message):
     blocks_transferred: int
     blocks_from_store: int
     blocks_recomputed: int
-    def __init__(self, prefill_worker_id: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., disaggregated: _Optional[bool] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., blocks_transferred: _Optional[int] = ..., blocks_from_store: _Optional[int] = ..., blocks_recomputed: _Optional[int] = ...) -> None: ...
+    tail_tokens_transferred: int
+    def __init__(self, prefill_worker_id: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., disaggregated: _Optional[bool] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., blocks_transferred: _Optional[int] = ..., blocks_from_store: _Optional[int] = ..., blocks_recomputed: _Optional[int] = ..., tail_tokens_transferred: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text_delta", "finish_reason", "usage", "prompt_token_ids", "stop_str", "stop_token_id", "metrics", "logprobs", "prompt_logprobs")

@@ -60,6 +60,9 @@ def test_generate_streams_through_prefill_and_decode_workers(client):
     m = last.metrics
     assert m.disaggregated and m.prefill_worker_id == "prefill-0" and m.decode_worker_id == "decode-0"
     assert m.timings.ttft_ms > 0 and m.timings.prefill_ms > 0
+    full, tail = divmod(last.usage.prompt_tokens, 16)
+    assert m.blocks_transferred + m.blocks_from_store == full and m.blocks_recomputed == 0
+    assert m.tail_tokens_transferred == tail  # the partial block came over too: nothing was recomputed
 
 
 def test_short_prompt_prefills_on_the_decode_worker(client):

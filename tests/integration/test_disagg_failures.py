@@ -207,6 +207,24 @@ def test_client_cancel_and_abort_free_the_decode_request(cluster):
 
 
 @pytest.mark.timeout(600)
+def test_a_tail_for_other_tokens_is_refused_and_recomputed(cluster, reference):
+    """The tail is not in the block hashes: a Decode whose prompt differs only in its last token passes every
+    full-block check, so the tail's own hash must catch it. The continuation is then the one of the prompt sent."""
+    prompt = make_prompt(8)                       # 3 full blocks + a 2-token tail
+    first = prefill(cluster["prefill_shm"], "tail-a", prompt)
+    assert first.kv.tail_tokens == 2
+    other = prompt[:-1] + [(prompt[-1] + 1) % 200 + 3]
+    got = decode(cluster["decode_shm"], "tail-b", other, first)
+    request = reference.add_request("tail-ref", other, PARAMS)
+    request.append_output(first.first_token_id)
+    while not request.is_finished:
+        reference.step()
+    assert got.token_ids == request.output_token_ids  # the first token included
+    assert got.last_chunk.tail_tokens_transferred == 0
+    assert got.last_chunk.kv_fallback_reason == "checksum mismatch"
+
+
+@pytest.mark.timeout(600)
 def test_handle_of_another_namespace_is_refused(cluster):
     prompt = make_prompt(7)
     first = prefill(cluster["prefill_shm"], "salted", prompt, cache_salt="tenant-a")

@@ -88,6 +88,8 @@ def test_single_request_matches_one_engine(workers, reference, params):
     last = got.last_chunk
     assert (last.blocks_transferred, last.blocks_from_store, last.blocks_recomputed) in ((3, 0, 0), (0, 3, 0))
     assert last.kv_fallback_reason == ""
+    assert got.prefill.kv.tail_tokens == 9 and got.prefill.kv.num_tokens == 57
+    assert last.tail_tokens_transferred == 9  # the partial block came over the transfer too: nothing recomputed
     assert got.usage.completion_tokens == len(want.token_ids)
     assert got.prefill.kv.lease_id and len(got.prefill.kv.blocks) == 3
 
@@ -144,6 +146,16 @@ def test_min_tokens_is_held_by_the_prefill_worker_too(workers, reference):
     got = disaggregated(workers[0].stub(), workers[1].stub(), "min-tokens", prompt, params)
     assert_same(got, want)
     assert got.token_ids[0] != first and got.prefill.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED
+
+
+@pytest.mark.timeout(600)
+def test_a_prompt_shorter_than_a_block_hands_over_its_tail_alone(workers, reference):
+    prompt = make_prompt(random.Random(9), 11)
+    want = reference.generate([prompt], seeded(3))[0]
+    got = disaggregated(workers[0].stub(), workers[1].stub(), "tail-only", prompt, seeded(3))
+    assert_same(got, want)
+    assert not got.prefill.kv.block_hashes and got.prefill.kv.tail_tokens == 11
+    assert got.last_chunk.tail_tokens_transferred == 11
 
 
 @pytest.mark.timeout(600)
