@@ -25,7 +25,7 @@ from router.dispatch import Dispatcher
 from router.events_feed import EventsFeed
 from router.request_run import RequestRun
 from router.registry import WorkerRegistry
-from router.validation import ApiError, GenerateParams, OpenAIOptions, choice_params, from_chat, from_completion
+from router.validation import ApiError, GenerateParams, OpenAIOptions, batch_params, from_chat, from_completion
 from strata.cache_metrics import CacheTierCollector, Snapshot
 from strata.v1 import common_pb2
 
@@ -198,7 +198,7 @@ class _Shape:
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + params.request_id
         self.model, self.created = params.model, int(time.time())
         wanted = params.sampling.logprobs is not None or params.sampling.prompt_logprobs is not None
-        self.logprobs = [_Logprobs(tokenizer, self.chat) if wanted else None for _ in range(options.n)]
+        self.logprobs = [_Logprobs(tokenizer, self.chat) if wanted else None for _ in range(options.num_choices)]
         self.sampled = params.sampling.logprobs is not None
         self.echo_logprobs = options.echo and self.sampled and not self.chat
         self.prompt_wanted = params.sampling.prompt_logprobs is not None
@@ -223,10 +223,12 @@ class _Shape:
     def _envelope(self, obj: str, choices: list) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
-    def whole(self, choices: list[_Choice], usage: common_pb2.Usage, first_token_id: int) -> dict[str, Any]:
+    def whole(self, choices: list[_Choice], usage: common_pb2.Usage, first_token_ids: list[int]) -> dict[str, Any]:
+        """`first_token_ids[i]`: the first prompt token of choice i's prompt."""
         out = []
         for i, c in enumerate(choices):
-            prompt = (first_token_id, c.prompt_logprobs) if c.prompt_logprobs or self.echo_logprobs else None
+            wanted = c.prompt_logprobs or self.echo_logprobs
+            prompt = (first_token_ids[i], c.prompt_logprobs) if wanted else None
             if self.chat:
                 choice = {"index": i, "message": {"role": "assistant", "content": c.text}}
             else:
@@ -258,11 +260,12 @@ class _Shape:
         return body
 
 
-def merged_usage(usages: list[common_pb2.Usage]) -> common_pb2.Usage:
-    """n choices of one prompt: the prompt counted once, every choice's completion tokens."""
-    first = usages[0] if usages else common_pb2.Usage()
-    return common_pb2.Usage(prompt_tokens=first.prompt_tokens, cached_tokens=first.cached_tokens,
-                            completion_tokens=sum(u.completion_tokens for u in usages))
+def merged_usage(usages: dict[int, common_pb2.Usage], n: int) -> common_pb2.Usage:
+    """Usage of the runs by choice index (prompt * n + i): each prompt counted once, every choice's completion."""
+    prompts = [u for index, u in usages.items() if index % n == 0]
+    return common_pb2.Usage(prompt_tokens=sum(u.prompt_tokens for u in prompts),
+                            cached_tokens=sum(u.cached_tokens for u in prompts),
+                            completion_tokens=sum(u.completion_tokens for u in usages.values()))
 
 
 def _sse(obj: Any) -> bytes:
@@ -328,17 +331,17 @@ def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: Router
         return dispatcher.models[params.model].tokenizer
 
     async def _serve(request: Request, params: GenerateParams, options: OpenAIOptions) -> Response:
-        runs = await anyio.to_thread.run_sync(_start, params, options.n, _identity(request))
+        runs = await anyio.to_thread.run_sync(_start, params, options, _identity(request))
         if options.stream:
             return StreamingResponse(_stream(runs, params, options), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await _whole(runs, params, options)
 
-    def _start(params: GenerateParams, n: int, identity: str) -> list[RequestRun]:
+    def _start(params: GenerateParams, options: OpenAIOptions, identity: str) -> list[RequestRun]:
         """One run per choice; none at all when any cannot start (a full router, a clashing request id)."""
         runs: list[RequestRun] = []
         try:
-            for child in choice_params(params, n):
+            for child in batch_params(params, options):
                 runs.append(dispatcher.start(child, identity, None, "http"))
         except BaseException:
             for run in runs:
@@ -372,11 +375,11 @@ def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: Router
             if api is None:
                 raise errors[0]
             return error_response(api)
-        prefix = (params.prompt_text or "") if options.echo else ""
-        choices = [choice._replace(text=prefix + choice.text) for choice, _ in results]
-        usage = merged_usage([u for _, u in results])
+        choices = [choice._replace(text=(run.params.prompt_text or "") + choice.text) if options.echo else choice
+                   for run, (choice, _) in zip(runs, results)]
+        usage = merged_usage({i: u for i, (_, u) in enumerate(results)}, options.n)
         shape = _Shape(params, options, _tokenizer(params))
-        return JSONResponse(shape.whole(choices, usage, runs[0].prompt[0]))
+        return JSONResponse(shape.whole(choices, usage, [run.prompt[0] for run in runs]))
 
     async def _stream(runs: list[RequestRun], params: GenerateParams,
                       options: OpenAIOptions) -> AsyncIterator[bytes]:
@@ -395,14 +398,14 @@ def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: Router
                 await queue.put((index, None, error))
 
         tasks = [asyncio.create_task(pump(i, run)) for i, run in enumerate(runs)]
-        usages: list[common_pb2.Usage] = []
+        usages: dict[int, common_pb2.Usage] = {}
         try:
             first = [True] * len(runs)
             # NOTE: an echo whose prompt carries logprobs waits for them (they come with the first tokens)
             echo_now = options.echo and not shape.echo_logprobs
             if options.chat or echo_now:
-                for i in range(len(runs)):
-                    yield _sse(shape.delta(i, params.prompt_text if options.echo else None, None, first=True))
+                for i, run in enumerate(runs):
+                    yield _sse(shape.delta(i, run.params.prompt_text if options.echo else None, None, first=True))
                     first[i] = False
             running = len(runs)
             while running:
@@ -418,7 +421,7 @@ def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: Router
                 finish = _FINISH.get(chunk.finish_reason) if chunk.finish_reason else None
                 prompt = (runs[index].prompt[0], chunk.prompt_logprobs)
                 if shape.echo_logprobs and first[index]:      # the held-back echo, its prompt logprobs with it
-                    yield _sse(shape.delta(index, params.prompt_text, None, first=True, prompt=prompt))
+                    yield _sse(shape.delta(index, runs[index].params.prompt_text, None, first=True, prompt=prompt))
                     first[index] = False
                 elif chunk.prompt_logprobs:
                     yield _sse(shape.delta(index, None, None, first=first[index], prompt=prompt))
@@ -428,10 +431,10 @@ def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: Router
                                            logprobs=chunk.logprobs))
                     first[index] = False
                 if chunk.finish_reason:
-                    usages.append(chunk.usage)
+                    usages[index] = chunk.usage
             else:
                 if options.include_usage and usages:
-                    yield _sse(shape.usage_chunk(merged_usage(usages)))
+                    yield _sse(shape.usage_chunk(merged_usage(usages, options.n)))
         except BaseException:
             for run in runs:
                 run.cancel()  # client gone (the response task is cancelled): the workers stop too

@@ -27,6 +27,7 @@ MAX_TEMPERATURE = 100.0
 MAX_SEED = 2**63
 MAX_REQUEST_ID_LEN = 256
 MAX_CHOICES = 16             # OpenAI's n
+MAX_BATCH_PROMPTS = 64       # completion prompts x choices in one request
 _CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
@@ -82,6 +83,12 @@ class OpenAIOptions:
     chat: bool = False
     n: int = 1                     # choices per request: n runs of the prompt, seeds seed, seed + 1, ...
     messages: tuple[dict, ...] = field(default_factory=tuple)
+    # a batch of completion prompts, (text, token ids) each; empty: the one prompt of the GenerateParams
+    prompts: tuple[tuple[str | None, tuple[int, ...] | None], ...] = ()
+
+    @property
+    def num_choices(self) -> int:
+        return max(1, len(self.prompts)) * self.n
 
 
 # ------------------------------------------------------------------------------------------------ shared checks
@@ -148,6 +155,17 @@ def build_sampling(prefix: str, *, max_tokens: int | None, temperature: float, t
                           presence_penalty=float(presence_penalty), frequency_penalty=float(frequency_penalty),
                           logprobs=logprobs, logit_bias=tuple((logit_bias or {}).items()),
                           min_tokens=min_tokens, prompt_logprobs=prompt_logprobs)
+
+
+def batch_params(params: GenerateParams, options: OpenAIOptions) -> list[GenerateParams]:
+    """Every run of a request, in choice order: prompt by prompt, then choice by choice (index = prompt * n + i)."""
+    if not options.prompts:
+        return choice_params(params, options.n)
+    runs = []
+    for i, (text, ids) in enumerate(options.prompts):
+        one = replace(params, prompt_text=text, prompt_ids=ids, request_id=f"{params.request_id}-p{i}")
+        runs.extend(choice_params(one, options.n))
+    return runs
 
 
 def choice_params(params: GenerateParams, n: int) -> list[GenerateParams]:
@@ -386,21 +404,28 @@ def from_completion(body: Mapping[str, Any], models: Mapping[str, ModelLimits],
     """`POST /v1/completions`: prompt is a string, a list of token ids, or a one-element list of either."""
     common = _common(body, models, request_id, chat=False)
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    text, ids = None, None
-    if isinstance(prompt, str) and prompt:
-        text = prompt
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        ids = tuple(prompt)
-    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise invalid("prompt", f"prompt must be one prompt (batches are not supported), got {len(prompt)}")
-    else:
-        raise invalid("prompt", "prompt is required: a non-empty string or a non-empty list of token ids")
+    batch = isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) for p in prompt)
+    prompts = [_one_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)] if batch else [_one_prompt(prompt)]
+    if len(prompts) > MAX_BATCH_PROMPTS:
+        raise invalid("prompt", f"prompt holds {len(prompts)} prompts; at most {MAX_BATCH_PROMPTS} per request")
+    if len(prompts) * _choices(body) > MAX_BATCH_PROMPTS:
+        raise invalid("n", f"{len(prompts)} prompts x n={_choices(body)} choices exceed {MAX_BATCH_PROMPTS}")
     stream, include_usage = _stream_options(body)
     echo = bool(_typed(body, "echo", (bool,), "a boolean", False))
+    text, ids = prompts[0]
     return (GenerateParams(prompt_text=text, prompt_ids=ids, **common),
-            OpenAIOptions(stream=stream, include_usage=include_usage, echo=echo, n=_choices(body)))
+            OpenAIOptions(stream=stream, include_usage=include_usage, echo=echo, n=_choices(body),
+                          prompts=tuple(prompts) if len(prompts) > 1 else ()))
+
+
+def _one_prompt(prompt: Any, param: str = "prompt") -> tuple[str | None, tuple[int, ...] | None]:
+    """A completion prompt: a non-empty string or a non-empty list of token ids."""
+    if isinstance(prompt, str) and prompt:
+        return prompt, None
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return None, tuple(prompt)
+    raise invalid(param, f"{param} is required: a non-empty string or a non-empty list of token ids (or a list of "
+                         f"those, a batch)")
 
 
 def check_messages(body: Mapping[str, Any]) -> tuple[dict, ...]:
@@ -441,5 +466,5 @@ def from_chat(body: Mapping[str, Any], models: Mapping[str, ModelLimits], reques
 
 
 __all__ = ["ApiError", "GenerateParams", "ModelLimits", "OpenAIOptions", "build_sampling", "check_messages",
-           "choice_params", "check_prompt", "effective_salt", "from_chat", "from_completion", "from_grpc", "invalid",
+           "batch_params", "choice_params", "check_prompt", "effective_salt", "from_chat", "from_completion", "from_grpc", "invalid",
            "resolve_model", "DEFAULT_MAX_TOKENS"]

@@ -138,6 +138,24 @@ def test_n_choices_whole_and_streamed_each_reproducible_alone(client):
     assert chunks[-1].usage.completion_tokens == 24
 
 
+def test_a_batch_of_prompts_gives_a_choice_per_prompt_and_choice(client):
+    prompts = [PROMPT, "import os\n", "class Stack:"]
+    args = dict(model=MODEL, max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    alone = [client.completions.create(prompt=p, **args) for p in prompts]
+    batch = client.completions.create(prompt=prompts, n=2, **args)
+    assert [c.index for c in batch.choices] == list(range(6))
+    assert [c.text for c in batch.choices] == [a.choices[0].text for a in alone for _ in range(2)]  # greedy
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert batch.usage.completion_tokens == 6 * 5
+    chunks = list(client.completions.create(prompt=prompts, stream=True, stream_options={"include_usage": True},
+                                            **args))
+    texts = ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in range(3)]
+    assert texts == [a.choices[0].text for a in alone]
+    assert chunks[-1].usage.prompt_tokens == batch.usage.prompt_tokens
+    echoed = client.completions.create(prompt=prompts[1:], echo=True, **args)
+    assert [c.text for c in echoed.choices] == [p + a.choices[0].text for p, a in zip(prompts[1:], alone[1:])]
+
+
 def test_chat_n_choices_stream_a_role_delta_each(client):
     messages = [{"role": "user", "content": "Add two numbers."}]
     chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, n=2, seed=1,

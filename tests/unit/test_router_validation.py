@@ -111,7 +111,9 @@ def test_check_prompt_shortens_the_default_max_tokens_to_the_room_left():
     ({"prompt": "hi", "max_tokens": 1.5}, "max_tokens"),
     ({}, "prompt"),
     ({"prompt": ""}, "prompt"),
-    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": ["a", ""]}, "prompt[1]"),
+    ({"prompt": ["a"] * 65}, "prompt"),
+    ({"prompt": ["a"] * 8, "n": 9}, "n"),
     ({"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
     ({"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
     ({"prompt": "hi", "logit_bias": {"5": "up"}}, "logit_bias"),
@@ -214,6 +216,20 @@ def test_min_tokens_follows_a_max_tokens_shortened_to_the_context():
     room = MODELS["tiny"].max_model_len - 60
     sampling = check_prompt(params, [1] * 60, MODELS["tiny"])
     assert (sampling.max_tokens, sampling.min_tokens) == (room, min(20, room))
+
+
+def test_a_batch_of_prompts_runs_prompt_by_prompt_then_choice_by_choice():
+    from router.validation import batch_params
+
+    params, opts = from_completion({"model": "tiny", "prompt": ["one", [5, 6], "three"], "n": 2, "seed": 7},
+                                   MODELS, "r")
+    runs = batch_params(params, opts)
+    assert opts.num_choices == 6 and len(runs) == 6
+    assert [(r.prompt_text, r.prompt_ids) for r in runs[::2]] == [("one", None), (None, (5, 6)), ("three", None)]
+    assert [r.request_id for r in runs[:3]] == ["r-p0-0", "r-p0-1", "r-p1-0"]
+    assert [r.sampling.seed for r in runs] == [7, 8] * 3
+    single, opts = from_completion({"model": "tiny", "prompt": [[5, 6]]}, MODELS, "r")
+    assert single.prompt_ids == (5, 6) and opts.prompts == () and batch_params(single, opts) == [single]
 
 
 def test_n_choices_are_runs_with_consecutive_seeds_and_their_own_ids():
