@@ -3,8 +3,8 @@
     POST /v1/completions, /v1/chat/completions   (JSON, or server-sent events with "stream": true)
     GET  /v1/models, /health, /metrics (Prometheus)
 
-Requests go through `router.validation` (400 naming the field, OpenAI's error body) and the same `Dispatcher` as
-gRPC. A client that disconnects mid-stream cancels the request on every worker.
+Requests go through `router.openai_request` (400 naming the field, OpenAI's error body) and the same `Dispatcher` as
+gRPC; `router.openai_responses` shapes the answers. A client that disconnects mid-stream cancels the request on every worker.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import json
 import time
 import uuid
 from dataclasses import replace
-from typing import Any, AsyncIterator, Callable, NamedTuple
+from typing import Any, AsyncIterator, Callable
 
 import anyio
 import grpc
@@ -25,18 +25,12 @@ from router.dispatch import Dispatcher
 from router.events_feed import EventsFeed
 from router.request_run import RequestRun
 from router.registry import WorkerRegistry
-from router.validation import ApiError, GenerateParams, OpenAIOptions, batch_params, from_chat, from_completion
+from router.openai_request import OpenAIOptions, batch_params, from_chat, from_completion
+from router.openai_responses import FINISH_REASONS, Choice, Shape, error_body, error_response, merged_usage
+from router.validation import ApiError, GenerateParams
 from strata.cache_metrics import CacheTierCollector, Snapshot
 from strata.v1 import common_pb2
 
-_HTTP_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 400,
-    grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.ALREADY_EXISTS: 409, grpc.StatusCode.PERMISSION_DENIED: 403,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.UNAVAILABLE: 503,
-    grpc.StatusCode.DEADLINE_EXCEEDED: 504, grpc.StatusCode.CANCELLED: 499,
-}
-_FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
-           common_pb2.FINISH_REASON_ABORT: "abort"}
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
@@ -104,168 +98,6 @@ class RouterMetrics:
         for (role, state), n in counts.items():
             self.workers.labels(role, state).set(n)
         return generate_latest(self.registry)
-
-
-# ------------------------------------------------------------------------------------------------ responses
-
-def error_body(exc: ApiError) -> dict[str, Any]:
-    kind = "invalid_request_error" if exc.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND) \
-        else exc.code.name.lower()
-    code = "model_not_found" if exc.code == grpc.StatusCode.NOT_FOUND and exc.param == "model" else None
-    return {"error": {"message": exc.message, "type": kind, "param": exc.param, "code": code}}
-
-
-def error_response(exc: ApiError) -> JSONResponse:
-    return JSONResponse(error_body(exc), status_code=_HTTP_STATUS.get(exc.code, 500))
-
-
-def _usage(usage: common_pb2.Usage) -> dict[str, Any]:
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
-
-
-class _Logprobs:
-    """OpenAI's logprobs objects from the stream's `TokenLogprobs`; a token's text is its id decoded alone (as vLLM
-    reports it). Chat: `{"content": [{token, logprob, bytes, top_logprobs: [...]}]}`; completions: the legacy
-    `{tokens, token_logprobs, top_logprobs: [{text: logprob}], text_offset}` (the sampled token is in its dict)."""
-
-    def __init__(self, tokenizer, chat: bool) -> None:
-        self.tokenizer, self.chat = tokenizer, chat
-        self._texts: dict[int, str] = {}
-        self._offset = 0  # text_offset of the next completion token
-
-    def _text(self, token_id: int) -> str:
-        text = self._texts.get(token_id)
-        if text is None:
-            text = self._texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
-        return text
-
-    def _entry(self, lp: common_pb2.Logprob) -> dict[str, Any]:
-        text = self._text(lp.token_id)
-        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
-
-    def prompt(self, first_token_id: int, entries) -> dict[str, Any]:
-        """The echoed prompt's part of a completion's legacy logprobs: its first token has none (null)."""
-        part = self.format(entries)
-        text = self._text(first_token_id)
-        part["tokens"].insert(0, text)
-        part["token_logprobs"].insert(0, None)
-        part["top_logprobs"].insert(0, None)
-        part["text_offset"] = [0] + [o + len(text) for o in part["text_offset"]]
-        self._offset += len(text)
-        return part
-
-    def vllm_prompt(self, first_token_id: int, entries) -> list[dict[str, Any] | None]:
-        """vLLM's `prompt_logprobs`: per prompt token, null for the first, else {token id: {logprob, rank,
-        decoded_token}} over the token itself and the most likely ones."""
-        out: list[dict[str, Any] | None] = [None]
-        for e in entries:
-            ranked = {str(t.token_id): {"logprob": t.logprob, "rank": r, "decoded_token": self._text(t.token_id)}
-                      for r, t in enumerate(e.top, start=1)}
-            ranked[str(e.sampled.token_id)] = {"logprob": e.sampled.logprob, "rank": e.rank,
-                                               "decoded_token": self._text(e.sampled.token_id)}
-            out.append(ranked)
-        return out
-
-    def format(self, entries) -> dict[str, Any]:
-        if self.chat:
-            return {"content": [dict(self._entry(e.sampled), top_logprobs=[self._entry(t) for t in e.top])
-                                for e in entries], "refusal": None}
-        tokens = [self._text(e.sampled.token_id) for e in entries]
-        offsets = []
-        for text in tokens:
-            offsets.append(self._offset)
-            self._offset += len(text)
-        return {"tokens": tokens, "token_logprobs": [e.sampled.logprob for e in entries],
-                "top_logprobs": [{**{self._text(t.token_id): t.logprob for t in e.top},
-                                  self._text(e.sampled.token_id): e.sampled.logprob} for e in entries],
-                "text_offset": offsets}
-
-
-class _Choice(NamedTuple):
-    text: str
-    finish: str | None
-    logprobs: list          # common_pb2.TokenLogprobs
-    prompt_logprobs: list   # common_pb2.TokenLogprobs of prompt tokens 1.., when asked for
-
-
-class _Shape:
-    """The JSON shapes of one endpoint (`text_completion` or `chat.completion`) for its `n` choices."""
-
-    def __init__(self, params: GenerateParams, options: OpenAIOptions, tokenizer=None) -> None:
-        self.chat, self.options = options.chat, options
-        self.id = ("chatcmpl-" if self.chat else "cmpl-") + params.request_id
-        self.model, self.created = params.model, int(time.time())
-        wanted = params.sampling.logprobs is not None or params.sampling.prompt_logprobs is not None
-        self.logprobs = [_Logprobs(tokenizer, self.chat) if wanted else None for _ in range(options.num_choices)]
-        self.sampled = params.sampling.logprobs is not None
-        self.echo_logprobs = options.echo and self.sampled and not self.chat
-        self.prompt_wanted = params.sampling.prompt_logprobs is not None
-
-    def _logprobs(self, index: int, entries, prompt: tuple[int, Any] | None = None) -> dict[str, Any] | None:
-        """Choice `index`'s logprobs object for these entries; `prompt` = (first prompt token id, prompt entries)
-        puts the echoed prompt's tokens first."""
-        formatter = self.logprobs[index]
-        if formatter is None or not self.sampled:
-            return None
-        if prompt is None or not self.echo_logprobs:
-            return formatter.format(entries)
-        part, rest = formatter.prompt(*prompt), formatter.format(entries)
-        return {key: part[key] + rest[key] for key in part}
-
-    def _prompt_logprobs(self, index: int, prompt: tuple[int, Any] | None) -> dict[str, Any]:
-        """vLLM's `prompt_logprobs` field of a choice, where they were asked for."""
-        if prompt is None or self.logprobs[index] is None or not self.prompt_wanted:
-            return {}
-        return {"prompt_logprobs": self.logprobs[index].vllm_prompt(*prompt)}
-
-    def _envelope(self, obj: str, choices: list) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
-
-    def whole(self, choices: list[_Choice], usage: common_pb2.Usage, first_token_ids: list[int]) -> dict[str, Any]:
-        """`first_token_ids[i]`: the first prompt token of choice i's prompt."""
-        out = []
-        for i, c in enumerate(choices):
-            wanted = c.prompt_logprobs or self.echo_logprobs
-            prompt = (first_token_ids[i], c.prompt_logprobs) if wanted else None
-            if self.chat:
-                choice = {"index": i, "message": {"role": "assistant", "content": c.text}}
-            else:
-                choice = {"index": i, "text": c.text}
-            choice.update(finish_reason=c.finish, logprobs=self._logprobs(i, c.logprobs, prompt),
-                          **self._prompt_logprobs(i, prompt))
-            out.append(choice)
-        body = self._envelope("chat.completion" if self.chat else "text_completion", out)
-        body["usage"] = _usage(usage)
-        return body
-
-    def delta(self, index: int, text: str | None, finish: str | None, first: bool = False, logprobs=(),
-              prompt: tuple[int, Any] | None = None) -> dict[str, Any]:
-        """One chunk of choice `index`; `prompt` = (first prompt token id, prompt entries) on the echo chunk."""
-        lp = self._logprobs(index, logprobs, prompt) if logprobs or (prompt and self.echo_logprobs) else None
-        extra = self._prompt_logprobs(index, prompt)
-        if self.chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
-            if text:
-                delta["content"] = text
-            choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": lp, **extra}
-            return self._envelope("chat.completion.chunk", [choice])
-        return self._envelope("text_completion", [{"index": index, "text": text or "", "finish_reason": finish,
-                                                   "logprobs": lp, **extra}])
-
-    def usage_chunk(self, usage: common_pb2.Usage) -> dict[str, Any]:
-        body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
-        body["usage"] = _usage(usage)
-        return body
-
-
-def merged_usage(usages: dict[int, common_pb2.Usage], n: int) -> common_pb2.Usage:
-    """Usage of the runs by choice index (prompt * n + i): each prompt counted once, every choice's completion."""
-    prompts = [u for index, u in usages.items() if index % n == 0]
-    return common_pb2.Usage(prompt_tokens=sum(u.prompt_tokens for u in prompts),
-                            cached_tokens=sum(u.cached_tokens for u in prompts),
-                            completion_tokens=sum(u.completion_tokens for u in usages.values()))
 
 
 def _sse(obj: Any) -> bytes:
@@ -349,7 +181,7 @@ def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: Router
             raise
         return runs
 
-    async def _collect(run: RequestRun) -> tuple[_Choice, common_pb2.Usage]:
+    async def _collect(run: RequestRun) -> tuple[Choice, common_pb2.Usage]:
         it = run.events()
         text, logprobs, prompt_logprobs, finish, usage = [], [], [], None, common_pb2.Usage()
         while (chunk := await _next_chunk(it)) is not None:
@@ -357,8 +189,8 @@ def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: Router
             logprobs.extend(chunk.logprobs)
             prompt_logprobs.extend(chunk.prompt_logprobs)
             if chunk.finish_reason:
-                finish, usage = _FINISH.get(chunk.finish_reason), chunk.usage
-        return _Choice("".join(text), finish, logprobs, prompt_logprobs), usage
+                finish, usage = FINISH_REASONS.get(chunk.finish_reason), chunk.usage
+        return Choice("".join(text), finish, logprobs, prompt_logprobs), usage
 
     async def _whole(runs: list[RequestRun], params: GenerateParams, options: OpenAIOptions) -> JSONResponse:
         try:
@@ -378,13 +210,13 @@ def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: Router
         choices = [choice._replace(text=(run.params.prompt_text or "") + choice.text) if options.echo else choice
                    for run, (choice, _) in zip(runs, results)]
         usage = merged_usage({i: u for i, (_, u) in enumerate(results)}, options.n)
-        shape = _Shape(params, options, _tokenizer(params))
+        shape = Shape(params, options, _tokenizer(params))
         return JSONResponse(shape.whole(choices, usage, [run.prompt[0] for run in runs]))
 
     async def _stream(runs: list[RequestRun], params: GenerateParams,
                       options: OpenAIOptions) -> AsyncIterator[bytes]:
         """Every choice's chunks as they come, each tagged with its index; one error ends the whole stream."""
-        shape = _Shape(params, options, _tokenizer(params))
+        shape = Shape(params, options, _tokenizer(params))
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(index: int, run: RequestRun) -> None:
@@ -418,7 +250,7 @@ def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: Router
                 if chunk is None:
                     running -= 1
                     continue
-                finish = _FINISH.get(chunk.finish_reason) if chunk.finish_reason else None
+                finish = FINISH_REASONS.get(chunk.finish_reason) if chunk.finish_reason else None
                 prompt = (runs[index].prompt[0], chunk.prompt_logprobs)
                 if shape.echo_logprobs and first[index]:      # the held-back echo, its prompt logprobs with it
                     yield _sse(shape.delta(index, runs[index].params.prompt_text, None, first=True, prompt=prompt))

@@ -1,7 +1,8 @@
 """The one place a request becomes validated parameters (docs/api.md "Errors").
 
 Both front doors (gRPC `Strata.Generate`, OpenAI HTTP) end up in `GenerateParams`; every rejection is an `ApiError`
-that names the field and the allowed range, and carries the gRPC status it maps to:
+that names the field and the allowed range, and carries the gRPC status it maps to. The shared checks and the gRPC
+door live here, the OpenAI bodies' parsing in `router.openai_request`:
 
     grpc GenerateRequest --from_grpc-----------\
     POST /v1/completions --from_completion------>  GenerateParams  --check_prompt--> SamplingParams (max_tokens fitted)
@@ -15,7 +16,7 @@ import hashlib
 import math
 import random
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Sequence
 
 import grpc
@@ -26,9 +27,6 @@ DEFAULT_MAX_TOKENS = 64
 MAX_TEMPERATURE = 100.0
 MAX_SEED = 2**63
 MAX_REQUEST_ID_LEN = 256
-MAX_CHOICES = 16             # OpenAI's n
-MAX_BATCH_PROMPTS = 64       # completion prompts x choices in one request
-_CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
 class ApiError(Exception):
@@ -71,24 +69,6 @@ class GenerateParams:
     include_prompt_token_ids: bool = False
     include_metrics: bool = False
     add_special_tokens: bool = True
-
-
-@dataclass(frozen=True)
-class OpenAIOptions:
-    """What the HTTP layer needs besides the generation itself."""
-
-    stream: bool = False
-    include_usage: bool = False
-    echo: bool = False
-    chat: bool = False
-    n: int = 1                     # choices per request: n runs of the prompt, seeds seed, seed + 1, ...
-    messages: tuple[dict, ...] = field(default_factory=tuple)
-    # a batch of completion prompts, (text, token ids) each; empty: the one prompt of the GenerateParams
-    prompts: tuple[tuple[str | None, tuple[int, ...] | None], ...] = ()
-
-    @property
-    def num_choices(self) -> int:
-        return max(1, len(self.prompts)) * self.n
 
 
 # ------------------------------------------------------------------------------------------------ shared checks
@@ -155,27 +135,6 @@ def build_sampling(prefix: str, *, max_tokens: int | None, temperature: float, t
                           presence_penalty=float(presence_penalty), frequency_penalty=float(frequency_penalty),
                           logprobs=logprobs, logit_bias=tuple((logit_bias or {}).items()),
                           min_tokens=min_tokens, prompt_logprobs=prompt_logprobs)
-
-
-def batch_params(params: GenerateParams, options: OpenAIOptions) -> list[GenerateParams]:
-    """Every run of a request, in choice order: prompt by prompt, then choice by choice (index = prompt * n + i)."""
-    if not options.prompts:
-        return choice_params(params, options.n)
-    runs = []
-    for i, (text, ids) in enumerate(options.prompts):
-        one = replace(params, prompt_text=text, prompt_ids=ids, request_id=f"{params.request_id}-p{i}")
-        runs.extend(choice_params(one, options.n))
-    return runs
-
-
-def choice_params(params: GenerateParams, n: int) -> list[GenerateParams]:
-    """The runs of an n-choice request: ids `<id>-<i>` and seeds seed + i (each choice reproducible on its own;
-    greedy choices are identical, as in vLLM). One choice is the request itself."""
-    if n == 1:
-        return [params]
-    seed = params.sampling.seed or 0
-    return [replace(params, request_id=f"{params.request_id}-{i}",
-                    sampling=replace(params.sampling, seed=(seed + i) % MAX_SEED)) for i in range(n)]
 
 
 def check_request_id(request_id: str, param: str = "request_id") -> str:
@@ -249,222 +208,3 @@ def from_grpc(request: Any, models: Mapping[str, ModelLimits]) -> GenerateParams
         max_tokens_explicit=s.HasField("max_tokens"), request_id=check_request_id(request.request_id),
         cache_salt=request.cache_salt, skip_text=opts.skip_text,
         include_prompt_token_ids=opts.include_prompt_token_ids, include_metrics=opts.include_metrics)
-
-
-# -------------------------------------------------------------------------------------------------------- OpenAI
-
-def _typed(body: Mapping[str, Any], key: str, types: tuple[type, ...], what: str, default: Any = None) -> Any:
-    value = body.get(key, default)
-    if value is None:
-        return default
-    # NOTE: bool is an int subclass in Python; JSON `true` is never a number here.
-    if isinstance(value, bool) and bool not in types:
-        raise invalid(key, f"{key} must be {what}, got {value!r}")
-    if not isinstance(value, types):
-        raise invalid(key, f"{key} must be {what}, got {value!r}")
-    return value
-
-
-def _number(body: Mapping[str, Any], key: str, default: float | None) -> float | None:
-    value = _typed(body, key, (int, float), "a number", default)
-    return None if value is None else float(value)
-
-
-def _integer(body: Mapping[str, Any], key: str, default: int | None) -> int | None:
-    return _typed(body, key, (int,), "an integer", default)
-
-
-def _stop(body: Mapping[str, Any]) -> list[str]:
-    stop = body.get("stop")
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or any(not isinstance(s, str) or not s for s in stop):
-        raise invalid("stop", f"stop must be a non-empty string or a list of non-empty strings, got {stop!r}")
-    return stop
-
-
-def _unsupported(body: Mapping[str, Any]) -> None:
-    """Reject options this server would otherwise silently ignore (an ignored option is a wrong answer)."""
-    best_of = body.get("best_of")
-    if best_of is not None and best_of != body.get("n", 1):
-        raise invalid("best_of", f"best_of must equal n (ranking extra candidates is not supported), got {best_of!r}")
-    if body.get("tools") or body.get("functions"):
-        raise invalid("tools", "tools / function calling are not supported; omit tools")
-    fmt = body.get("response_format")
-    if fmt not in (None, {}) and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise invalid("response_format", f"response_format must be {{'type': 'text'}}, got {fmt!r}")
-    if body.get("suffix"):
-        raise invalid("suffix", "suffix is not supported; omit it")
-
-
-def _logit_bias(body: Mapping[str, Any]) -> dict[int, float]:
-    """OpenAI's `{"<token id>": bias}` (JSON keys are strings)."""
-    raw = _typed(body, "logit_bias", (dict,), "an object mapping token ids to numbers", {})
-    bias = {}
-    for key, value in raw.items():
-        try:
-            token_id = int(key)
-        except (TypeError, ValueError):
-            raise invalid("logit_bias", f"logit_bias keys must be token ids, got {key!r}") from None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise invalid("logit_bias", f"logit_bias values must be numbers in [-100, 100], got {value!r}")
-        bias[token_id] = float(value)
-    return bias
-
-
-def _prompt_logprobs(body: Mapping[str, Any], logprobs: int | None, chat: bool) -> int | None:
-    """vLLM's `prompt_logprobs: N` on either door; on completions `echo` with `logprobs: N` asks for them too (the
-    echoed prompt's tokens then carry logprobs, as OpenAI's legacy API did)."""
-    value = _typed(body, "prompt_logprobs", (int,), f"an integer in [0, {MAX_LOGPROBS}]", None)
-    if value is None and not chat and body.get("echo") and logprobs is not None:
-        value = logprobs
-    return value
-
-
-def _completion_logprobs(body: Mapping[str, Any]) -> tuple[int | None, str]:
-    """`/v1/completions`: `logprobs` is the number of alternatives per token (OpenAI allows up to 5, vLLM 20)."""
-    if body.get("top_logprobs") is not None:
-        raise invalid("top_logprobs", "top_logprobs is a chat option; /v1/completions takes logprobs: <int>")
-    return _typed(body, "logprobs", (int,), f"an integer in [0, {MAX_LOGPROBS}]", None), "logprobs"
-
-
-def _chat_logprobs(body: Mapping[str, Any]) -> tuple[int | None, str]:
-    """`/v1/chat/completions`: `logprobs: true` returns the sampled tokens' logprobs, `top_logprobs: N` adds the N
-    most likely alternatives (it needs logprobs: true)."""
-    wanted = bool(_typed(body, "logprobs", (bool,), "a boolean", False))
-    top = _typed(body, "top_logprobs", (int,), f"an integer in [0, {MAX_LOGPROBS}]", None)
-    if top is not None and not wanted:
-        raise invalid("top_logprobs", "top_logprobs needs logprobs: true")
-    return ((top or 0) if wanted else None), ("top_logprobs" if top is not None else "logprobs")
-
-
-def _openai_sampling(body: Mapping[str, Any], max_tokens_keys: Sequence[str],
-                     defaults: Mapping[str, float], chat: bool) -> tuple[SamplingParams, bool]:
-    max_tokens, explicit = None, False
-    for key in max_tokens_keys:
-        value = _integer(body, key, None)
-        if value is not None:
-            if value < 1:
-                raise invalid(key, f"{key} must be >= 1, got {value}")
-            max_tokens, explicit = value, True
-            break
-    logprobs, logprobs_param = (_chat_logprobs if chat else _completion_logprobs)(body)
-    stop_token_ids = _typed(body, "stop_token_ids", (list,), "a list of token ids", [])
-    if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in stop_token_ids):
-        raise invalid("stop_token_ids", f"stop_token_ids must be non-negative integers, got {stop_token_ids!r}")
-    sampling = build_sampling(
-        "", max_tokens=max_tokens, temperature=_number(body, "temperature", defaults.get("temperature", 1.0)),
-        top_p=_number(body, "top_p", defaults.get("top_p")),
-        top_k=_integer(body, "top_k", int(defaults.get("top_k", 0))) if body.get("top_k") != -1 else 0,
-        seed=_integer(body, "seed", None), stop=_stop(body), stop_token_ids=stop_token_ids,
-        ignore_eos=bool(_typed(body, "ignore_eos", (bool,), "a boolean", False)),
-        include_stop_str_in_output=bool(_typed(body, "include_stop_str_in_output", (bool,), "a boolean", False)),
-        draw_seed=draw_seed,
-        repetition_penalty=_number(body, "repetition_penalty", defaults.get("repetition_penalty")),
-        presence_penalty=_number(body, "presence_penalty", 0.0),
-        frequency_penalty=_number(body, "frequency_penalty", 0.0), logprobs=logprobs, logprobs_param=logprobs_param,
-        logit_bias=_logit_bias(body), min_tokens=_integer(body, "min_tokens", 0),
-        prompt_logprobs=_prompt_logprobs(body, logprobs, chat), prompt_logprobs_param=(
-            "logprobs" if body.get("prompt_logprobs") is None else "prompt_logprobs"))
-    return sampling, explicit
-
-
-def _choices(body: Mapping[str, Any]) -> int:
-    n = _typed(body, "n", (int,), f"an integer in [1, {MAX_CHOICES}]", 1)
-    if not 1 <= n <= MAX_CHOICES:
-        raise invalid("n", f"n must be in [1, {MAX_CHOICES}], got {n}")
-    return n
-
-
-def _stream_options(body: Mapping[str, Any]) -> tuple[bool, bool]:
-    stream = bool(_typed(body, "stream", (bool,), "a boolean", False))
-    options = _typed(body, "stream_options", (dict,), "an object", {})
-    if options and not stream:
-        raise invalid("stream_options", "stream_options is only allowed with stream: true")
-    return stream, bool(options.get("include_usage", False))
-
-
-def _common(body: Mapping[str, Any], models: Mapping[str, ModelLimits], request_id: str,
-            chat: bool) -> dict[str, Any]:
-    if not isinstance(body, Mapping):
-        raise invalid("body", "the request body must be a JSON object")
-    model = _typed(body, "model", (str,), "a string", "")
-    _unsupported(body)
-    limits = resolve_model(model, models)
-    sampling, explicit = _openai_sampling(body, ("max_tokens", "max_completion_tokens"),
-                                          dict(limits.sampling_defaults), chat)
-    return dict(model=limits.id, sampling=sampling, max_tokens_explicit=explicit,
-                request_id=request_id, cache_salt=_typed(body, "cache_salt", (str,), "a string", ""))
-
-
-def from_completion(body: Mapping[str, Any], models: Mapping[str, ModelLimits],
-                    request_id: str) -> tuple[GenerateParams, OpenAIOptions]:
-    """`POST /v1/completions`: prompt is a string, a list of token ids, or a one-element list of either."""
-    common = _common(body, models, request_id, chat=False)
-    prompt = body.get("prompt")
-    batch = isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) for p in prompt)
-    prompts = [_one_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)] if batch else [_one_prompt(prompt)]
-    if len(prompts) > MAX_BATCH_PROMPTS:
-        raise invalid("prompt", f"prompt holds {len(prompts)} prompts; at most {MAX_BATCH_PROMPTS} per request")
-    if len(prompts) * _choices(body) > MAX_BATCH_PROMPTS:
-        raise invalid("n", f"{len(prompts)} prompts x n={_choices(body)} choices exceed {MAX_BATCH_PROMPTS}")
-    stream, include_usage = _stream_options(body)
-    echo = bool(_typed(body, "echo", (bool,), "a boolean", False))
-    text, ids = prompts[0]
-    return (GenerateParams(prompt_text=text, prompt_ids=ids, **common),
-            OpenAIOptions(stream=stream, include_usage=include_usage, echo=echo, n=_choices(body),
-                          prompts=tuple(prompts) if len(prompts) > 1 else ()))
-
-
-def _one_prompt(prompt: Any, param: str = "prompt") -> tuple[str | None, tuple[int, ...] | None]:
-    """A completion prompt: a non-empty string or a non-empty list of token ids."""
-    if isinstance(prompt, str) and prompt:
-        return prompt, None
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return None, tuple(prompt)
-    raise invalid(param, f"{param} is required: a non-empty string or a non-empty list of token ids (or a list of "
-                         f"those, a batch)")
-
-
-def check_messages(body: Mapping[str, Any]) -> tuple[dict, ...]:
-    """Chat messages as plain {role, content: str} dicts (content parts of type text are joined)."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise invalid("messages", "messages is required: a non-empty list of {role, content} objects")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise invalid(f"messages[{i}]", f"messages[{i}] must be an object with role and content")
-        role, content = m.get("role"), m.get("content")
-        if role not in _CHAT_ROLES:
-            raise invalid(f"messages[{i}].role", f"messages[{i}].role must be one of {_CHAT_ROLES}, got {role!r}")
-        if isinstance(content, list):
-            if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
-                raise invalid(f"messages[{i}].content", f"messages[{i}].content parts must be of type 'text'")
-            content = "".join(str(p.get("text", "")) for p in content)
-        if content is None:
-            content = ""
-        if not isinstance(content, str):
-            raise invalid(f"messages[{i}].content", f"messages[{i}].content must be a string, got {content!r}")
-        out.append({"role": role, "content": content})
-    return tuple(out)
-
-
-def from_chat(body: Mapping[str, Any], models: Mapping[str, ModelLimits], request_id: str,
-              render: Callable[[Sequence[dict]], str]) -> tuple[GenerateParams, OpenAIOptions]:
-    """`POST /v1/chat/completions`: `render` applies the model's chat template (or the plain fallback)."""
-    common = _common(body, models, request_id, chat=True)
-    messages = check_messages(body)
-    stream, include_usage = _stream_options(body)
-    text = render(messages)
-    # NOTE: the template already wrote any special tokens; adding a BOS again would change the prompt.
-    return (GenerateParams(prompt_text=text, prompt_ids=None, add_special_tokens=False, **common),
-            OpenAIOptions(stream=stream, include_usage=include_usage, chat=True, messages=messages,
-                          n=_choices(body)))
-
-
-__all__ = ["ApiError", "GenerateParams", "ModelLimits", "OpenAIOptions", "build_sampling", "check_messages",
-           "batch_params", "choice_params", "check_prompt", "effective_salt", "from_chat", "from_completion", "from_grpc", "invalid",
-           "resolve_model", "DEFAULT_MAX_TOKENS"]

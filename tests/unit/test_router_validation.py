@@ -4,8 +4,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from router.validation import (ApiError, GenerateParams, ModelLimits, check_prompt, effective_salt, from_chat,
-                               from_completion, from_grpc)
+from router.openai_request import batch_params, choice_params, from_chat, from_completion
+from router.validation import ApiError, GenerateParams, ModelLimits, check_prompt, effective_salt, from_grpc
 from strata.v1 import common_pb2, strata_pb2
 
 MODELS = {"tiny": ModelLimits("tiny", max_model_len=64, vocab_size=100)}
@@ -219,8 +219,6 @@ def test_min_tokens_follows_a_max_tokens_shortened_to_the_context():
 
 
 def test_a_batch_of_prompts_runs_prompt_by_prompt_then_choice_by_choice():
-    from router.validation import batch_params
-
     params, opts = from_completion({"model": "tiny", "prompt": ["one", [5, 6], "three"], "n": 2, "seed": 7},
                                    MODELS, "r")
     runs = batch_params(params, opts)
@@ -233,8 +231,6 @@ def test_a_batch_of_prompts_runs_prompt_by_prompt_then_choice_by_choice():
 
 
 def test_n_choices_are_runs_with_consecutive_seeds_and_their_own_ids():
-    from router.validation import choice_params
-
     params, opts = from_completion({"model": "tiny", "prompt": "hi", "n": 3, "seed": 2**63 - 2}, MODELS, "r")
     assert opts.n == 3
     runs = choice_params(params, opts.n)
