@@ -77,6 +77,15 @@ def assert_same(got: Completion, want) -> None:
     assert got.finish_reason == FINISH_REASONS[want.finish_reason], f"{got.request_id}: finish reason differs"
 
 
+def assert_same_entries(got: list, want: list) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert (g.sampled.token_id, g.rank) == (w.token_id, w.rank)
+        assert g.sampled.logprob == pytest.approx(w.logprob, abs=1e-5)
+        assert [t.token_id for t in g.top] == [t for t, _ in w.top]
+        assert [t.logprob for t in g.top] == pytest.approx([v for _, v in w.top], abs=1e-5)
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("params", [greedy(), seeded(7)], ids=["greedy", "seeded"])
 def test_single_request_matches_one_engine(workers, reference, params):
@@ -102,22 +111,10 @@ def test_logprobs_match_one_engine_first_token_from_prefill_rest_from_decode(wor
     got = disaggregated(workers[0].stub(), workers[1].stub(), "logprobs", prompt, params)
     assert_same(got, want)
     assert got.prefill.HasField("first_logprobs")
-    assert len(got.logprobs) == len(want.logprobs) == len(want.token_ids)
-    for g, w in zip(got.logprobs, want.logprobs):
-        assert (g.sampled.token_id, g.rank) == (w.token_id, w.rank)
-        assert g.sampled.logprob == pytest.approx(w.logprob, abs=1e-5)
-        assert [t.token_id for t in g.top] == [t for t, _ in w.top]
-        assert [t.logprob for t in g.top] == pytest.approx([v for _, v in w.top], abs=1e-5)
+    assert len(want.logprobs) == len(want.token_ids)
+    assert_same_entries(got.logprobs, want.logprobs)
     plain = disaggregated(workers[0].stub(), workers[1].stub(), "no-logprobs", prompt, seeded(11))
     assert plain.logprobs == [] and not plain.prefill.HasField("first_logprobs")
-
-
-def assert_same_entries(got: list, want: list) -> None:
-    assert len(got) == len(want)
-    for g, w in zip(got, want):
-        assert (g.sampled.token_id, g.rank) == (w.token_id, w.rank)
-        assert g.sampled.logprob == pytest.approx(w.logprob, abs=1e-5)
-        assert [t.token_id for t in g.top] == [t for t, _ in w.top]
 
 
 @pytest.mark.timeout(600)
