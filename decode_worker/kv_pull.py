@@ -13,6 +13,7 @@ recomputed. A failed read is reported in `reason` ("lease expired", "peer unreac
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import NamedTuple, Sequence
 
@@ -41,10 +42,30 @@ class PullResult(NamedTuple):
     tail: memoryview | None = None       # verified payload of the handle's partial last block, when usable
 
 
+class HandoffCounts:
+    """Totals over every Decode of this worker (exported as `strata_worker_kv_handoff_*`); thread-safe."""
+
+    FIELDS = ("blocks_transferred", "blocks_from_store", "blocks_recomputed", "tail_tokens_transferred",
+              "failed_reads")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._totals = dict.fromkeys(self.FIELDS, 0)
+
+    def add(self, **amounts: int) -> None:
+        with self._lock:
+            for name, amount in amounts.items():
+                self._totals[name] += amount
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._totals)
+
+
 class KvPuller:
     def __init__(self, bundle: EngineBundle, store: TieredStore, agent: TransferAgent, deadline_s: float) -> None:
         self.bundle, self.store, self.agent, self.deadline_s = bundle, store, agent, deadline_s
-        self.counts = {"transferred": 0, "from_store": 0, "recomputed": 0, "failed_reads": 0}
+        self.counts = HandoffCounts()
 
     def pull(self, kv: common_pb2.KvHandle, num_blocks: int, prompt: Sequence[int]) -> PullResult:
         """The first `num_blocks` blocks of the handle (the rest are recomputed by the engine anyway), and its tail
@@ -89,7 +110,7 @@ class KvPuller:
         try:
             self.agent.read(descs, views, deadline_s=self.deadline_s)
         except TransferError as exc:
-            self.counts["failed_reads"] += 1
+            self.counts.add(failed_reads=1)
             log.info("KV transfer failed (%s); falling back to the store", exc)
             return [], None, next((text for cls, text in _REASONS if isinstance(exc, cls)), f"transfer error: {exc}")
         block_views = views[:len(hashes) - start]

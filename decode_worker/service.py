@@ -17,6 +17,7 @@ from typing import Iterator, Sequence
 import grpc
 
 from decode_worker.kv_pull import KvPuller, PullResult
+from strata.cache_metrics import HandoffCollector
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from kvstore.hashing import hash_blocks
@@ -73,6 +74,9 @@ class DecodeService(WorkerBase):
             blocks = _block_counts(pulled, installed.num_blocks, len(request.kv.block_hashes))
             if pulled.tail is not None and installed.num_blocks == len(hashes):
                 blocks["tail_tokens"] = request.kv.tail_tokens
+            self.puller.counts.add(blocks_transferred=blocks["transferred"], blocks_from_store=blocks["from_store"],
+                                   blocks_recomputed=blocks["recomputed"],
+                                   tail_tokens_transferred=blocks.get("tail_tokens", 0))
             timings = common_pb2.Timings(transfer_ms=ms(pulled.elapsed_s))
             yield from self._stream(tracked, request.request_id, context, timings, len(prompt),
                                     request.cached_tokens, blocks, pulled.reason)
@@ -233,6 +237,9 @@ class DecodeService(WorkerBase):
         else:
             timings.decode_ms = ms((last or tracked.arrived_at) - tracked.arrived_at)
         return timings
+
+    def metrics_collectors(self) -> list:
+        return [HandoffCollector(self.worker_id, self.puller.counts.snapshot)]
 
     def close(self) -> None:
         super().close()

@@ -62,6 +62,33 @@ class LoadCollector:
             yield family
 
 
+class HandoffCollector:
+    """A decode worker's KV hand-off totals: `strata_worker_kv_handoff_blocks_total{worker, source}` (transferred,
+    from_store, recomputed), `..._tail_tokens_total{worker}` and `strata_worker_kv_transfer_failures_total{worker}`."""
+
+    def __init__(self, worker_id: str, totals: Callable[[], dict[str, int]]) -> None:
+        self._worker_id, self._totals = worker_id, totals
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        totals = self._totals()
+        blocks = CounterMetricFamily("strata_worker_kv_handoff_blocks", "Prompt blocks of Decode requests, by where "
+                                     "the decode worker got them", labels=["worker", "source"])
+        for source in ("transferred", "from_store", "recomputed"):
+            blocks.add_metric([self._worker_id, source], totals[f"blocks_{source}"])
+        yield blocks
+        tail = CounterMetricFamily("strata_worker_kv_handoff_tail_tokens", "Tokens of prompts' partial last blocks "
+                                   "installed from the transfer instead of recomputed", labels=["worker"])
+        tail.add_metric([self._worker_id], totals["tail_tokens_transferred"])
+        yield tail
+        failed = CounterMetricFamily("strata_worker_kv_transfer_failures", "KV transfer reads that failed (lease "
+                                     "expired, peer gone, deadline) and fell back to the store", labels=["worker"])
+        failed.add_metric([self._worker_id], totals["failed_reads"])
+        yield failed
+
+
 class CacheTierCollector:
     """A prometheus_client collector; `snapshot()` is called once per scrape."""
 

@@ -119,8 +119,14 @@ class WorkerBase(worker_pb2_grpc.WorkerServicer):
         registry.register(CacheTierCollector(lambda: [(self.worker_id, cache_stats(
             self.worker_id, self.bundle, self.store, int(time.time() * 1000)))]))
         registry.register(LoadCollector(self.worker_id, self.load))
+        for collector in self.metrics_collectors():
+            registry.register(collector)
         self.metrics_server, _ = start_http_server(self.config.metrics_port, addr=self.config.host, registry=registry)
         return f"http://{self.config.host}:{self.metrics_server.server_port}/metrics"
+
+    def metrics_collectors(self) -> list:
+        """Role-specific Prometheus collectors for `/metrics` (the decode worker's hand-off totals)."""
+        return []
 
     def load(self) -> common_pb2.WorkerLoad:
         """The engine loop's latest snapshot (worker_common.load documents each figure) and the pool's usage."""

@@ -44,7 +44,7 @@ def seeded(seed: int, max_tokens: int = 12, **kw) -> SamplingParams:
 def start_pair(model: str, backend: str) -> tuple[WorkerProcess, WorkerProcess]:
     common = ["--model", model, "--transfer", backend, *ENGINE_ARGS]
     prefill = WorkerProcess("prefill", common, wait=False)
-    decode = WorkerProcess("decode", common, wait=False)
+    decode = WorkerProcess("decode", [*common, "--metrics-port", "0"], wait=False)
     try:
         return prefill.wait_ready(), decode.wait_ready()
     except Exception:
@@ -153,6 +153,33 @@ def test_a_prompt_shorter_than_a_block_hands_over_its_tail_alone(workers, refere
     assert_same(got, want)
     assert not got.prefill.kv.block_hashes and got.prefill.kv.tail_tokens == 11
     assert got.last_chunk.tail_tokens_transferred == 11
+
+
+def handoff_totals(worker: WorkerProcess) -> dict[str, float]:
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals = {}
+    for family in text_string_to_metric_families(httpx.get(worker.metrics_url, timeout=10).text):
+        for sample in family.samples:
+            if sample.name.startswith(("strata_worker_kv_handoff", "strata_worker_kv_transfer")):
+                totals[sample.name + sample.labels.get("source", "")] = sample.value
+    return totals
+
+
+@pytest.mark.timeout(600)
+def test_decode_worker_metrics_count_where_the_blocks_came_from(workers):
+    before = handoff_totals(workers[1])
+    prompt = make_prompt(random.Random(12), 37)   # 2 full blocks + a 5-token tail
+    got = disaggregated(workers[0].stub(), workers[1].stub(), "metrics", prompt, greedy(3))
+    after = handoff_totals(workers[1])
+    last = got.last_chunk
+    delta = {name: after[name] - before.get(name, 0.0) for name in after}
+    assert delta["strata_worker_kv_handoff_blocks_totaltransferred"] == last.blocks_transferred
+    assert delta["strata_worker_kv_handoff_blocks_totalfrom_store"] == last.blocks_from_store
+    assert delta["strata_worker_kv_handoff_blocks_totalrecomputed"] == last.blocks_recomputed == 0
+    assert delta["strata_worker_kv_handoff_tail_tokens_total"] == last.tail_tokens_transferred == 5
+    assert delta["strata_worker_kv_transfer_failures_total"] == 0
 
 
 @pytest.mark.timeout(600)
