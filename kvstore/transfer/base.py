@@ -111,8 +111,6 @@ class TransferConfig:
     max_regions: int = 64
     max_leases: int = 1024
     max_ranges_per_lease: int = 2048  # merged ranges; shm lease table is sparse (untouched slots cost nothing)
-    chunk_bytes: int = 512 << 10  # tcp: largest request; 512 KiB x 8 in flight measured best on loopback
-    max_inflight_chunks: int = 8
     options: tuple[tuple[str, str], ...] = ()  # backend-specific (nixl/mooncake), as (key, value) pairs
 
     def __post_init__(self) -> None:
@@ -120,11 +118,9 @@ class TransferConfig:
             raise ValueError(f"transfer backend must be one of {sorted(TRANSFER_REGISTRY)}, got {self.backend!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be 0..65535 (0 = any free port), got {self.port}")
-        for name in ("max_regions", "max_leases", "max_ranges_per_lease", "max_inflight_chunks"):
+        for name in ("max_regions", "max_leases", "max_ranges_per_lease"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.chunk_bytes < 4096:
-            raise ValueError(f"chunk_bytes must be >= 4096, got {self.chunk_bytes}")
 
 
 class TransferAgent(ABC):

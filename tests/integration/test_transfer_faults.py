@@ -25,7 +25,7 @@ def backend(request):
 
 
 def reader_for(backend: str):
-    return create_agent(TransferConfig(backend=backend, chunk_bytes=1 << 20, max_inflight_chunks=2))
+    return create_agent(TransferConfig(backend=backend))
 
 
 def test_owner_killed_mid_session_gives_explicit_error_within_deadline(backend):

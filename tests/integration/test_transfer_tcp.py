@@ -1,4 +1,4 @@
-"""The tcp transfer backend against a real owner process (spawned) over real loopback ZeroMQ sockets."""
+"""The tcp transfer backend against a real owner process (spawned) over real loopback TCP connections."""
 from __future__ import annotations
 
 import threading
@@ -12,7 +12,7 @@ from kvstore.transfer import (Descriptor, LeaseExpired, OutOfBounds, PeerUnavail
 from kvstore.transfer.owner_process import OwnerProcess, region_bytes
 
 POOL = 24 << 20
-CHUNK = 1 << 20
+MiB = 1 << 20
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +23,7 @@ def owner():
 
 @pytest.fixture
 def reader():
-    agent = create_agent(TransferConfig(backend="tcp", chunk_bytes=CHUNK, max_inflight_chunks=4))
+    agent = create_agent(TransferConfig(backend="tcp"))
     yield agent
     agent.close()
 
@@ -44,10 +44,10 @@ def test_many_descriptors_round_trip_exact_bytes(owner, reader):
         assert np.array_equal(dst, expected[d.offset:d.offset + d.length])
 
 
-def test_large_descriptor_is_chunked_and_reassembled_exactly(owner, reader):
-    """A 9.5 MiB read crosses ten 1 MiB chunks pipelined four at a time; the pieces must land in order."""
+def test_large_descriptor_arrives_exactly(owner, reader):
+    """A 9.5 MiB read arrives in many socket reads (more than the socket buffers hold); every byte in place."""
     handle, expected = owner.handles["pool"], region_bytes("pool", POOL)
-    n = 9 * CHUNK + CHUNK // 2
+    n = 9 * MiB + MiB // 2
     dst = np.zeros(n, np.uint8)
     reader.read([handle.descriptor(123, n)], [dst], deadline_s=20.0)
     assert np.array_equal(dst, expected[123:123 + n])
@@ -66,7 +66,7 @@ def test_concurrent_readers_each_get_their_own_bytes(owner):
     failures = []
 
     def run(seed: int) -> None:
-        with create_agent(TransferConfig(backend="tcp", chunk_bytes=CHUNK)) as agent:
+        with create_agent(TransferConfig(backend="tcp")) as agent:
             descs = make_descs(handle, 40, 512 << 10, seed)
             dsts = [np.zeros(d.length, np.uint8) for d in descs]
             agent.read(descs, dsts, deadline_s=30.0)
@@ -101,8 +101,8 @@ def test_out_of_bounds_descriptor_is_rejected(owner, reader, offset, length):
 
 def test_leased_read_succeeds_then_fails_with_lease_expired_after_ttl(owner, reader):
     handle = owner.handles["pool"]
-    lease = owner.grant("pool", [(0, 2 * CHUNK)], ttl_s=0.5)
-    reader.read([handle.descriptor(0, 2 * CHUNK, lease)], [bytearray(2 * CHUNK)], deadline_s=5.0)
+    lease = owner.grant("pool", [(0, 2 * MiB)], ttl_s=0.5)
+    reader.read([handle.descriptor(0, 2 * MiB, lease)], [bytearray(2 * MiB)], deadline_s=5.0)
     time.sleep(0.6)
     with pytest.raises(LeaseExpired):
         reader.read([handle.descriptor(0, 4096, lease)], [bytearray(4096)], deadline_s=5.0)
@@ -138,20 +138,31 @@ def test_owner_closing_gives_peer_unavailable(reader):
 
 
 def test_malformed_request_gets_an_error_reply_and_the_server_keeps_serving(owner, reader):
-    import msgpack
-    import zmq
+    import socket
 
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(owner.handles["pool"].agent)
-    try:
-        sock.send(b"\xc1 not msgpack")
-        assert sock.poll(5000)
-        request_id, error = msgpack.unpackb(sock.recv())
+    import msgpack
+
+    from kvstore.transfer.tcp_server import LENGTH, recv_header
+
+    host, port = owner.handles["pool"].agent[len("tcp://"):].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(LENGTH.pack(13) + b"\xc1 not msgpack")
+        request_id, error = msgpack.unpackb(recv_header(sock))
         assert error[0] == "TransferError" and "malformed" in error[1]
-    finally:
-        sock.close()
+        sock.sendall(LENGTH.pack(1 << 30))  # a header no reader sends: the owner drops this connection only
+        assert sock.recv(1) == b""
     dst = bytearray(8)
     reader.read([owner.handles["pool"].descriptor(0, 8)], [dst], deadline_s=5.0)
     assert bytes(dst) == region_bytes("pool", POOL)[:8].tobytes()
+
+
+def test_an_error_sends_no_byte_of_the_batch(owner, reader):
+    """Every read is checked before any payload moves: a bad descriptor last in the batch leaves the earlier
+    destinations untouched, and the connection serves the next batch."""
+    handle = owner.handles["pool"]
+    dsts = [bytearray(b"\xaa" * 16), bytearray(16)]
+    with pytest.raises(UnknownRegion) as err:
+        reader.read([handle.descriptor(0, 16), Descriptor(handle.agent, "nope", 0, 16)], dsts, deadline_s=5.0)
+    assert err.value.desc_index == 1 and dsts[0] == b"\xaa" * 16
+    reader.read([handle.descriptor(0, 16)], dsts[:1], deadline_s=5.0)
+    assert bytes(dsts[0]) == region_bytes("pool", POOL)[:16].tobytes()
