@@ -71,6 +71,9 @@ class KvExporter:
             return None
         if pinned.view is not None:
             payload = read_device_payloads(self.bundle, [block_id])[0]
+            layers, kv = self.bundle.block_shape[:2]
+            payload.reshape(layers, kv, self.bundle.block_size, -1)[:, :, len(tokens):] = 0  # unused slots: zeros,
+            # not whatever request held the block before
             length = encode_block(pinned.view, self.bundle, fingerprint, tail_hash, hashes[-1] if hashes else None,
                                   tokens, payload)
             self.pool.commit(pinned.slot, tail_hash, length)

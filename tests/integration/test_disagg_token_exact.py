@@ -14,9 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from engine.sampling_params import SamplingParams
-from strata.v1 import common_pb2
+from strata.v1 import common_pb2, worker_pb2
 from worker_common.client import Completion, disaggregated
-from worker_common.convert import FINISH_REASONS
+from worker_common.convert import FINISH_REASONS, sampling_to_proto
 from worker_common.engine_setup import build_engine_from
 from worker_common.launch import WorkerProcess
 
@@ -143,6 +143,40 @@ def test_min_tokens_is_held_by_the_prefill_worker_too(workers, reference):
     got = disaggregated(workers[0].stub(), workers[1].stub(), "min-tokens", prompt, params)
     assert_same(got, want)
     assert got.token_ids[0] != first and got.prefill.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED
+
+
+@pytest.mark.timeout(600)
+def test_the_tail_block_carries_the_prompt_tail_and_zeros_after_it(model_path, reference):
+    """What the decode worker reads for the tail: a codec block over exactly the prompt's last tokens, its unused
+    slots zeroed, never the KV of whichever request held that device block before. A prefill worker with 8 blocks
+    reuses blocks from the third request on, so those tails come from dirty blocks."""
+    import numpy as np
+
+    from kvstore import codec
+    from kvstore.hashing import hash_block
+    from kvstore.transfer import Descriptor, TransferConfig, create_agent
+
+    worker = WorkerProcess("prefill", ["--model", model_path, "--transfer", "shm", "--num-blocks", "8",
+                                       "--handoff-mib", "4", "--host-tier-mib", "4"])
+    agent = create_agent(TransferConfig(backend="shm"))
+    shape = reference.runner.kv_cache.shape[1:]                      # [layers, 2, block_size, heads, dim]
+    try:
+        for i in range(4):
+            prompt = make_prompt(random.Random(100 + i), 16 * 3 + 6)
+            first = worker.stub().Prefill(worker_pb2.PrefillRequest(
+                request_id=f"tail-bytes-{i}", token_ids=prompt, sampling=sampling_to_proto(greedy(2))), timeout=60)
+            kv, tail = first.kv, first.kv.tail
+            buf = bytearray(tail.length)
+            agent.read([Descriptor(tail.agent_address, tail.region_id, tail.offset, tail.length,
+                                   tail.transfer_lease_id)], [buf], deadline_s=10.0)
+            worker.stub().ReleaseKv(worker_pb2.ReleaseKvRequest(lease_id=kv.lease_id), timeout=10)
+            decoded = codec.decode(buf, kv.namespace_fingerprint, hash_block(kv.block_hashes[-1], prompt[48:]))
+            assert decoded.header.num_tokens == kv.tail_tokens == 6 and list(decoded.tokens) == prompt[48:]
+            block = np.frombuffer(bytes(decoded.payload), dtype=np.float32).reshape(shape)
+            assert np.count_nonzero(block[:, :, :6]) > 0 and np.count_nonzero(block[:, :, 6:]) == 0, f"request {i}"
+    finally:
+        agent.close()
+        worker.stop()
 
 
 @pytest.mark.timeout(600)
