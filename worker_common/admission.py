@@ -34,6 +34,7 @@ def admit(loop: EngineLoop, tracked: Tracked, request_id: str, prompt: Sequence[
         raise
     if first_token is not None:
         request.append_output(first_token)
+        tracked.handed_over_blocks = installed.num_blocks
     if tail is not None and installed.num_blocks == len(hashes):
         request.preloaded_kv = (payload_tensor(bundle, [tail])[0], len(prompt) - len(hashes) * bundle.block_size)
     tracked.request, tracked.pinned = request, installed.pinned

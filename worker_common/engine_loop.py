@@ -33,7 +33,8 @@ class Tracked:
     """One request the loop fans out to. Subclasses override the `on_*` hooks (called on the engine thread).
 
     `pinned` are block ids the worker took a reference on (installed KV); the loop releases them when the request
-    leaves, whatever the reason.
+    leaves, whatever the reason. `handed_over_blocks`: leading blocks another worker computed and stored (a Decode's
+    hand-off), which this worker does not write to its store again.
     """
 
     def __init__(self, request: Request | None) -> None:
@@ -41,6 +42,7 @@ class Tracked:
         self.arrived_at = time.perf_counter()
         self.scheduled_at: float | None = None
         self.pinned: list[int] = []
+        self.handed_over_blocks = 0
 
     def on_output(self, output: RequestOutput, now: float) -> bool:
         """Handle one step's output; return True to end the request now (e.g. a stop string matched)."""

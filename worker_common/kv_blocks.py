@@ -127,14 +127,15 @@ def load_from_store(bundle: EngineBundle, store: TieredStore, hashes: Sequence[b
 
 
 def store_computed_blocks(bundle: EngineBundle, store: TieredStore, token_ids: Sequence[int],
-                          fingerprint: bytes) -> int:
+                          fingerprint: bytes, start: int = 0) -> int:
     """Write the full, computed blocks of a just-finished request (prompt + outputs; the last sampled token has no
-    KV) that the host tier lacks, so the next turn of the conversation hits (DESIGN §2 step 5). Engine thread,
-    right after the step that finished the request; blocks no longer on the device are skipped. Returns how many
-    were written."""
+    KV) from block `start` on that the host tier lacks, so the next turn of the conversation hits (DESIGN §2 step
+    5). Engine thread, right after the step that finished the request; blocks no longer on the device are skipped.
+    Returns how many were written."""
     bs = bundle.block_size
     hashes = hash_blocks(fingerprint, token_ids, bs)[:cacheable_blocks(len(token_ids), bs)]
-    missing = [i for i, held in enumerate(store.host.contains(hashes)) if not held]
+    held = store.host.contains(hashes[start:])
+    missing = [start + i for i, present in enumerate(held) if not present]
     pool = bundle.engine.block_manager.pool
     present = [(i, pool.lookup(hashes[i])) for i in missing]
     present = [(i, block_id) for i, block_id in present if block_id is not None]

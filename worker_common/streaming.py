@@ -8,7 +8,6 @@ from typing import Callable, Iterator, NamedTuple
 import grpc
 
 from engine.outputs import RequestOutput
-from engine.request import Request
 from engine.sampling_params import SamplingParams
 from strata.v1 import common_pb2
 from worker_common.convert import FINISH_REASONS, stop_reason_fields
@@ -34,7 +33,7 @@ class StreamingRequest(Tracked):
     """Engine-thread side: turns each `RequestOutput` into a `StreamEvent` on `events` (read by the handler)."""
 
     def __init__(self, text: TextStream, params: SamplingParams,
-                 on_finish: Callable[[Request], None] | None = None) -> None:
+                 on_finish: Callable[["StreamingRequest"], None] | None = None) -> None:
         super().__init__(None)  # the request is set when the engine thread admits it
         self.text, self.params, self.on_finish = text, params, on_finish
         self.events: queue.Queue[StreamEvent] = queue.Queue()
@@ -54,7 +53,7 @@ class StreamingRequest(Tracked):
             if reason == common_pb2.FINISH_REASON_STOP:
                 stop = stop_reason_fields(None, output.token_ids[-1], self.params)
         if reason != common_pb2.FINISH_REASON_UNSPECIFIED and self.on_finish is not None:
-            self.on_finish(self.request)  # NOTE: before the event: the stream's end means the blocks are stored
+            self.on_finish(self)  # NOTE: before the event: the stream's end means the blocks are stored
         prompt_logprobs = ()
         if output.prompt_logprobs and not self._prompt_logprobs_sent:
             prompt_logprobs, self._prompt_logprobs_sent = tuple(output.prompt_logprobs[1:]), True

@@ -167,7 +167,8 @@ def test_events_are_on_the_workers_topic_and_replayable_from_zero(workers, finge
 @pytest.mark.timeout(300)
 def test_decode_worker_announces_pulled_and_computed_blocks(workers, fingerprint):
     """The decode worker installs the handle's blocks (device BlockStored, from install_blocks) and writes the
-    finished request's full blocks to its host tier (host BlockStored)."""
+    finished request's new full blocks to its host tier (host BlockStored): not the handed-over ones, which the
+    prefill worker stored already (DESIGN §2 step 5)."""
     prefill, decode = workers
     sub = subscribe(decode)
     params = SamplingParams(max_tokens=BLOCK_SIZE + 2, ignore_eos=True)
@@ -176,11 +177,13 @@ def test_decode_worker_announces_pulled_and_computed_blocks(workers, fingerprint
         done = disaggregated(prefill.stub(), decode.stub(), "ev-3", prompt, params)
         full = prompt + done.token_ids
         hashes = hash_blocks(fingerprint, full[:-1], BLOCK_SIZE)   # the last token has no KV
-        got = stored_by_medium(sub, {"device": set(hashes), "host": set(hashes)})
+        got = stored_by_medium(sub, {"device": set(hashes), "host": set(hashes[2:])})
+        late = stored_by_medium(sub, {"host": set(hashes[:2])}, timeout_s=1.0)  # a second to show up, if ever
     finally:
         sub.close()
     assert done.last_chunk.blocks_transferred == 2
     assert set(hashes) <= {h for e in got["device"] for h in e.block_hashes}
-    assert set(hashes) <= {h for e in got["host"] for h in e.block_hashes}
+    assert set(hashes[2:]) <= {h for e in got["host"] for h in e.block_hashes}
+    assert not {h for e in got["host"] + late.get("host", []) for h in e.block_hashes} & set(hashes[:2])
     assert_chain(got["device"], full, hashes)
     assert_chain(got["host"], full, hashes)
