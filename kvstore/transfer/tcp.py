@@ -29,8 +29,7 @@ from kvstore.transfer.base import (Deadline, Descriptor, LeaseId, MemoryRegion, 
                                    TransferAgent, TransferConfig, byte_views, register_backend)
 from kvstore.transfer.errors import OutOfBounds, PeerUnavailable, TransferError, TransferTimeout, UnknownRegion
 from kvstore.transfer.lease import LeaseBook
-from kvstore.transfer.tcp_server import (ERRORS, ConnectionClosed, TcpServer, close_socket, recv_exactly, recv_header,
-                                         send_message, tune)
+from kvstore.transfer.tcp_server import ERRORS, TcpServer, close_socket, recv_exactly, recv_header, send_message, tune
 
 SCHEME = "tcp://"
 
@@ -71,10 +70,10 @@ class _TcpPeer:
                 recv_exactly(self.sock, views[i][:descs[i].length], deadline.at)
         except socket.timeout:
             raise TransferTimeout(f"deadline passed while reading from {self.address}") from None
-        except (ConnectionClosed, ConnectionError) as e:
+        except OSError as e:  # refused, reset, closed (ConnectionClosed) mid-reply
             raise PeerUnavailable(f"owner at {self.address}: {e}") from None
-        except OSError as e:
-            raise PeerUnavailable(f"owner at {self.address}: {e}") from None
+        except (ValueError, TypeError, msgpack.UnpackException) as e:
+            raise TransferError(f"malformed reply from {self.address}: {e}") from None
 
     def close(self) -> None:
         self.closed = True

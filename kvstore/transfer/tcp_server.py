@@ -96,7 +96,7 @@ class TcpServer:
     def __init__(self, host: str, port: int, regions: dict[str, MemoryRegion], lock: threading.Lock,
                  leases: LeaseBook) -> None:
         self._regions, self._lock, self._leases = regions, lock, leases
-        self._listener = socket.create_server((host, port), backlog=128)
+        self._listener = socket.create_server(("" if host == "*" else host, port), backlog=128)
         self._listener.settimeout(_ACCEPT_POLL_S)
         self.port = self._listener.getsockname()[1]
         self._connections: set[socket.socket] = set()

@@ -166,3 +166,27 @@ def test_an_error_sends_no_byte_of_the_batch(owner, reader):
     assert err.value.desc_index == 1 and dsts[0] == b"\xaa" * 16
     reader.read([handle.descriptor(0, 16)], dsts[:1], deadline_s=5.0)
     assert bytes(dsts[0]) == region_bytes("pool", POOL)[:16].tobytes()
+
+
+def test_a_garbled_reply_is_a_transfer_error_not_a_crash(reader):
+    """An endpoint that answers with a well-framed header that is not a reply: an explicit TransferError."""
+    import socket
+
+    from kvstore.transfer import TransferError
+    from kvstore.transfer.tcp_server import LENGTH, recv_header
+
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def answer():
+        conn, _ = server.accept()
+        with conn:
+            recv_header(conn)
+            conn.sendall(LENGTH.pack(3) + b"\xc1\xc1\xc1")
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    address = f"tcp://127.0.0.1:{server.getsockname()[1]}"
+    with pytest.raises(TransferError, match="malformed reply"):
+        reader.read([Descriptor(address, "x", 0, 4)], [bytearray(4)], deadline_s=5.0)
+    thread.join(5)
+    server.close()
