@@ -26,8 +26,7 @@ log = logging.getLogger(__name__)
 
 class Export(NamedTuple):
     handle: common_pb2.KvHandle
-    store_s: float                                   # pin, encode, lease: what the first token waits for
-    new_blocks: list[tuple[bytes, memoryview]]       # encoded blocks for `store_new`, after the answer is out
+    store_s: float
 
 
 class KvExporter:
@@ -42,7 +41,7 @@ class KvExporter:
         """`freed_block_ids`: the request's block table when it finished (its tail block is read from it)."""
         started = time.perf_counter()
         bs = self.bundle.block_size
-        slots, new_blocks = self._pin_leading(prompt, hashes, fingerprint)
+        slots = self._pin_leading(prompt, hashes, fingerprint)
         handle = common_pb2.KvHandle(namespace_fingerprint=fingerprint, block_size=bs,
                                      block_hashes=list(hashes[:len(slots)]), num_tokens=len(slots) * bs)
         tail = None
@@ -57,18 +56,7 @@ class KvExporter:
                 handle.num_tokens += handle.tail_tokens
             handle.lease_id, handle.lease_deadline_unix_ms = lease.lease_id, lease.deadline_unix_ms
             handle.lease_worker_address = self.worker_address
-        return Export(handle, time.perf_counter() - started, new_blocks)
-
-    def store_new(self, new_blocks: list[tuple[bytes, memoryview]]) -> None:
-        """Write an export's new blocks to the store: host now (a copy out of the hand-off slots), lower tiers in
-        the background. Engine thread, after the answer went out: the slots cannot be reused before it returns
-        (only this thread pins), and a store failure must not fail the request it served."""
-        if not new_blocks:
-            return
-        try:
-            self.store.put(new_blocks)
-        except Exception:  # noqa: BLE001
-            log.exception("writing a prefill's new blocks to the store failed")
+        return Export(handle, time.perf_counter() - started)
 
     def _pin_tail(self, prompt: Sequence[int], hashes: Sequence[bytes], fingerprint: bytes,
                   block_id: int) -> int | None:
@@ -91,10 +79,8 @@ class KvExporter:
             self.pool.commit(pinned.slot, tail_hash, length)
         return pinned.slot
 
-    def _pin_leading(self, prompt: Sequence[int], hashes: Sequence[bytes],
-                     fingerprint: bytes) -> tuple[list[int], list[tuple[bytes, memoryview]]]:
-        """Pin a slot per leading block (encoding the ones the region lacks); stops at the first that cannot be.
-        Returns the slots and the newly encoded blocks."""
+    def _pin_leading(self, prompt: Sequence[int], hashes: Sequence[bytes], fingerprint: bytes) -> list[int]:
+        """Pin a slot per leading block (encoding the ones the region lacks); stops at the first that cannot be."""
         device = self.bundle.engine.block_manager.pool
         slots: list[int] = []
         fresh: list[tuple[int, int, memoryview]] = []   # (block index, slot, slot view)
@@ -109,10 +95,12 @@ class KvExporter:
                     break
                 fresh.append((i, pinned.slot, pinned.view))
             slots.append(pinned.slot)
-        return slots, self._encode(prompt, hashes, fingerprint, fresh) if fresh else []
+        if fresh:
+            self._encode(prompt, hashes, fingerprint, fresh)
+        return slots
 
     def _encode(self, prompt: Sequence[int], hashes: Sequence[bytes], fingerprint: bytes,
-                fresh: list[tuple[int, int, memoryview]]) -> list[tuple[bytes, memoryview]]:
+                fresh: list[tuple[int, int, memoryview]]) -> None:
         device, bs = self.bundle.engine.block_manager.pool, self.bundle.block_size
         payloads = read_device_payloads(self.bundle, [device.lookup(hashes[i]) for i, _, _ in fresh])
         items = []
@@ -122,7 +110,7 @@ class KvExporter:
                                   payload)
             self.pool.commit(slot, hashes[i], length)
             items.append((hashes[i], view[:length]))
-        return items
+        self.store.put(items)  # host now (a memcpy), lower tiers in the background
 
     def _location(self, slot: int, transfer_lease_id: int) -> common_pb2.BlockLocation:
         desc = self.pool.descriptor(slot)

@@ -62,7 +62,6 @@ class PrefillJob(Tracked):
             response.first_logprobs.CopyFrom(logprobs_to_proto(output.new_logprobs[-1]))
         if output.prompt_logprobs:
             response.prompt_logprobs.extend(logprobs_to_proto(e) for e in output.prompt_logprobs[1:])
-        new_blocks: list = []
         if delta.stop_str is not None or engine_stop:
             response.finish_reason = common_pb2.FINISH_REASON_STOP
             for key, value in stop_reason_fields(delta.stop_str, token, self.params).items():
@@ -74,10 +73,8 @@ class PrefillJob(Tracked):
                                                   self.request.freed_block_ids)
             response.kv.CopyFrom(export.handle)
             response.timings.store_ms = ms(export.store_s)
-            new_blocks = export.new_blocks
         self.response = response
         self.done.set()
-        self.service.exporter.store_new(new_blocks)  # NOTE: after the answer: the first token does not wait for it
         return True
 
     def on_abort(self, reason: str) -> None:
