@@ -209,13 +209,14 @@ def from_completion(body: Mapping[str, Any], models: Mapping[str, ModelLimits],
     prompts = [_one_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)] if batch else [_one_prompt(prompt)]
     if len(prompts) > MAX_BATCH_PROMPTS:
         raise invalid("prompt", f"prompt holds {len(prompts)} prompts; at most {MAX_BATCH_PROMPTS} per request")
-    if len(prompts) * _choices(body) > MAX_BATCH_PROMPTS:
-        raise invalid("n", f"{len(prompts)} prompts x n={_choices(body)} choices exceed {MAX_BATCH_PROMPTS}")
+    n = _choices(body)
+    if len(prompts) * n > MAX_BATCH_PROMPTS:
+        raise invalid("n", f"{len(prompts)} prompts x n={n} choices exceed {MAX_BATCH_PROMPTS}")
     stream, include_usage = _stream_options(body)
     echo = bool(_typed(body, "echo", (bool,), "a boolean", False))
     text, ids = prompts[0]
     return (GenerateParams(prompt_text=text, prompt_ids=ids, **common),
-            OpenAIOptions(stream=stream, include_usage=include_usage, echo=echo, n=_choices(body),
+            OpenAIOptions(stream=stream, include_usage=include_usage, echo=echo, n=n,
                           prompts=tuple(prompts) if len(prompts) > 1 else ()))
 
 
