@@ -231,8 +231,11 @@ def test_client_disconnect_mid_stream_stops_the_worker(cluster):
             "temperature": 0}
     with httpx.Client(timeout=30) as http:
         with http.stream("POST", cluster.http_url + "/v1/completions", json=body) as response:
+            # NOTE: a named iterator: breaking out of a loop over a temporary `iter_lines()` drops the generator,
+            # which closes the stream at once, so the router could abort before `busy` asks (a CI flake).
+            lines = response.iter_lines()
             events = []
-            for line in response.iter_lines():
+            for line in lines:
                 if line.startswith("data:"):
                     events.append(line)
                 if len(events) == 3:
