@@ -135,7 +135,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model folder or bundled name (default: bundled, else a "
                                                       "random 4-layer Llama built here)")
-    parser.add_argument("--transfer", choices=("shm", "tcp"), default="shm")
+    parser.add_argument("--transfer", choices=("shm", "tcp", "nixl"), default="shm")
     parser.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 1024])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="two short lengths, one repeat (CI smoke run)")

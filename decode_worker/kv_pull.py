@@ -108,6 +108,8 @@ class KvPuller:
         buf = bytearray(sum(d.length for d in descs))
         views = pack_views(buf, descs)
         try:
+            if kv.agent_metadata:
+                self.agent.add_peer(descs[0].agent, kv.agent_metadata)
             self.agent.read(descs, views, deadline_s=self.deadline_s)
         except TransferError as exc:
             self.counts.add(failed_reads=1)

@@ -1,4 +1,4 @@
-"""`python -m prefill_worker --model PATH --port N --transfer shm|tcp ...`: serve until SIGTERM/SIGINT."""
+"""`python -m prefill_worker --model PATH --port N --transfer shm|tcp|nixl ...`: serve until SIGTERM/SIGINT."""
 from __future__ import annotations
 
 import sys

@@ -56,6 +56,7 @@ class KvExporter:
                 handle.num_tokens += handle.tail_tokens
             handle.lease_id, handle.lease_deadline_unix_ms = lease.lease_id, lease.deadline_unix_ms
             handle.lease_worker_address = self.worker_address
+            handle.agent_metadata = self.agent.export_metadata([lease.transfer_lease_id])
         return Export(handle, time.perf_counter() - started)
 
     def _pin_tail(self, prompt: Sequence[int], hashes: Sequence[bytes], fingerprint: bytes,

@@ -40,7 +40,7 @@ def serve(
     s3_url: Optional[str] = typer.Option(None, "--s3-url", help="add a shared S3 tier"),
     data_dir: Optional[str] = typer.Option(None, "--data-dir", help="where disk tiers live (default: a temp dir)"),
     no_disk: bool = typer.Option(False, "--no-disk", help="host tier only"),
-    transfer: Optional[str] = typer.Option(None, help="KV transfer backend: shm or tcp (default shm)"),
+    transfer: Optional[str] = typer.Option(None, help="KV transfer backend: shm, tcp or nixl (default shm)"),
     policy: Optional[str] = typer.Option(None, help="routing policy: kv_aware, round_robin, least_loaded"),
     config: Optional[str] = typer.Option(None, "--config", help="YAML file with these options as keys"),
     log_level: Optional[str] = typer.Option(None, "--log-level", help="workers' log level (default WARNING)"),

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, TextIO
 
+from worker_common.config import TRANSFER_BACKENDS
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 WORKER_READY = re.compile(r"^READY (\S+) role=(\w+) worker_id=(\S+)")
 ROUTER_READY = re.compile(r"^READY grpc=(\S+) http=(\S*)")
@@ -75,7 +77,8 @@ class ServeConfig:
         _require(0 <= self.grpc_port <= 65535, f"grpc_port must be in [0, 65535] (0 = free), got {self.grpc_port}")
         _require(-1 <= self.http_port <= 65535, f"http_port must be in [-1, 65535] (0 = free, -1 = off), "
                                                 f"got {self.http_port}")
-        _require(self.transfer in ("shm", "tcp"), f"transfer must be 'shm' or 'tcp', got {self.transfer!r}")
+        _require(self.transfer in TRANSFER_BACKENDS,
+                 f"transfer must be one of {', '.join(TRANSFER_BACKENDS)}, got {self.transfer!r}")
         _require(not self.redis_url or self.redis_url.startswith(("redis://", "rediss://", "unix://")),
                  f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
         _require(not self.s3_url or self.s3_url.startswith(("s3://", "http://", "https://")),

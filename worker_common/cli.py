@@ -6,7 +6,7 @@ import logging
 from typing import Sequence
 
 from strata.paths import resolve_model
-from worker_common.config import WorkerConfig
+from worker_common.config import TRANSFER_BACKENDS, WorkerConfig
 
 
 def parse_config(role: str, argv: Sequence[str] | None = None) -> WorkerConfig:
@@ -17,7 +17,7 @@ def parse_config(role: str, argv: Sequence[str] | None = None) -> WorkerConfig:
     p.add_argument("--host", default=d.host)
     p.add_argument("--port", type=int, default=d.port, help="gRPC port (0 = a free port, printed on READY)")
     p.add_argument("--worker-id", default="")
-    p.add_argument("--transfer", choices=("shm", "tcp"), default=d.transfer, help="KV transfer backend")
+    p.add_argument("--transfer", choices=TRANSFER_BACKENDS, default=d.transfer, help="KV transfer backend")
     p.add_argument("--dtype", default=d.dtype)
     p.add_argument("--block-size", type=int, default=d.block_size)
     p.add_argument("--num-blocks", type=int, default=d.num_blocks)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ROLES = ("prefill", "decode")
-TRANSFER_BACKENDS = ("shm", "tcp")
+TRANSFER_BACKENDS = ("shm", "tcp", "nixl")
 
 
 def _require(ok: bool, message: str) -> None:

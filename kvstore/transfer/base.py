@@ -139,6 +139,9 @@ class TransferAgent(ABC):
       once it has run out or been released. A read without a lease id is unchecked (the caller vouches for it).
     - `close` unregisters everything, stops serving and detaches from peers; later reads from peers of this agent
       fail with `PeerUnavailable`. It is idempotent.
+    - Backends whose reads never reach owner code and that cannot look the owner up themselves (nixl, mooncake)
+      need its metadata out of band: `export_metadata` on the owner, `add_peer` on the reader before reading.
+      Elsewhere the first returns b"" and the second ignores it.
     """
 
     backend: str = "abstract"
@@ -171,6 +174,14 @@ class TransferAgent(ABC):
     @abstractmethod
     def close(self) -> None:
         """Unregister everything and release sockets, mappings and segments."""
+
+    def export_metadata(self, lease_ids: Sequence[int] | None = None) -> bytes:
+        """What a reader must `add_peer` before reading from this agent (only `lease_ids` of its leases, when
+        given); b"" when readers find the owner by its address alone."""
+        return b""
+
+    def add_peer(self, address: str, snapshot: bytes) -> None:
+        """Import an owner's `export_metadata()`; a no-op where readers need none."""
 
     def __enter__(self) -> TransferAgent:
         return self

@@ -64,10 +64,13 @@ class OwnerDirectory:
             raise UnknownRegion(f"region {region_id!r} is not registered")
         return self.leases.grant(region_id, self.regions[region_id][1].length, ranges, ttl_s)
 
-    def export(self, backend_metadata: bytes) -> bytes:
+    def export(self, backend_metadata: bytes, lease_ids: Sequence[int] | None = None) -> bytes:
+        """The snapshot readers import: every region and the live leases (only `lease_ids`, when given: a KV
+        handle carries its own lease, not every other request's)."""
         offset = time.time_ns() - now_ns()  # monotonic -> wall clock, for readers on other hosts
+        wanted = None if lease_ids is None else set(lease_ids)
         leases = {lid: [lease.region_id, lease.starts, lease.ends, lease.expires_ns + offset]
-                  for lid, lease in self.leases.items()}
+                  for lid, lease in self.leases.items() if wanted is None or lid in wanted}
         regions = {rid: list(remote) for rid, (_, remote) in self.regions.items()}
         return msgpack.packb({"meta": backend_metadata, "regions": regions, "leases": leases})
 
@@ -81,6 +84,14 @@ class PeerDirectory:
         self.regions = {rid: RemoteRegion(*r) for rid, r in data["regions"].items()}
         offset = now_ns() - time.time_ns()  # wall clock -> this host's monotonic clock
         self.leases = {lid: Lease(r, s, e, exp + offset) for lid, (r, s, e, exp) in data["leases"].items()}
+
+    def merged_into(self, older: PeerDirectory) -> PeerDirectory:
+        """This snapshot plus the leases of an older one of the same owner that have not expired (snapshots that
+        carry one handle's lease each must not drop the lease another thread is reading under)."""
+        now = now_ns()
+        self.leases = {**{lid: lease for lid, lease in older.leases.items() if lease.expires_ns > now},
+                       **self.leases}
+        return self
 
     def resolve(self, desc: Descriptor, index: int) -> RemoteRegion:
         """The remote region of a descriptor, after bounds and lease checks."""

@@ -65,11 +65,12 @@ class MooncakeAgent(TransferAgent):
     def release(self, lease_id: LeaseId) -> bool:
         return self._dir.leases.release(lease_id)
 
-    def export_metadata(self) -> bytes:
-        return self._dir.export(self._session.encode())
+    def export_metadata(self, lease_ids: Sequence[int] | None = None) -> bytes:
+        return self._dir.export(self._session.encode(), lease_ids)
 
     def add_peer(self, address: str, snapshot: bytes) -> None:
-        self._peers[address] = PeerDirectory(snapshot)
+        peer, known = PeerDirectory(snapshot), self._peers.get(address)
+        self._peers[address] = peer.merged_into(known) if known is not None else peer
 
     def read(self, descs: Sequence[Descriptor], dst_bufs: Sequence[Any], deadline_s: float) -> ReadResult:
         start, deadline = time.perf_counter(), Deadline(deadline_s)

@@ -168,7 +168,7 @@ class BlockLocation(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., backend: _Optional[str] = ..., agent_address: _Optional[str] = ..., region_id: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., transfer_lease_id: _Optional[int] = ...) -> None: ...
 
 class KvHandle(_message.Message):
-    __slots__ = ("namespace_fingerprint", "block_size", "block_hashes", "num_tokens", "blocks", "lease_id", "lease_deadline_unix_ms", "lease_worker_address", "tail", "tail_tokens")
+    __slots__ = ("namespace_fingerprint", "block_size", "block_hashes", "num_tokens", "blocks", "lease_id", "lease_deadline_unix_ms", "lease_worker_address", "tail", "tail_tokens", "agent_metadata")
     NAMESPACE_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -179,6 +179,7 @@ class KvHandle(_message.Message):
     LEASE_WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TAIL_FIELD_NUMBER: _ClassVar[int]
     TAIL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     namespace_fingerprint: bytes
     block_size: int
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
@@ -189,7 +190,8 @@ class KvHandle(_message.Message):
     lease_worker_address: str
     tail: BlockLocation
     tail_tokens: int
-    def __init__(self, namespace_fingerprint: _Optional[bytes] = ..., block_size: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockLocation, _Mapping]]] = ..., lease_id: _Optional[str] = ..., lease_deadline_unix_ms: _Optional[int] = ..., lease_worker_address: _Optional[str] = ..., tail: _Optional[_Union[BlockLocation, _Mapping]] = ..., tail_tokens: _Optional[int] = ...) -> None: ...
+    agent_metadata: bytes
+    def __init__(self, namespace_fingerprint: _Optional[bytes] = ..., block_size: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockLocation, _Mapping]]] = ..., lease_id: _Optional[str] = ..., lease_deadline_unix_ms: _Optional[int] = ..., lease_worker_address: _Optional[str] = ..., tail: _Optional[_Union[BlockLocation, _Mapping]] = ..., tail_tokens: _Optional[int] = ..., agent_metadata: _Optional[bytes] = ...) -> None: ...
 
 class CacheTierStats(_message.Message):
     __slots__ = ("tier", "shared", "capacity_bytes", "used_bytes", "blocks", "hit_blocks", "miss_blocks", "hit_tokens", "miss_tokens", "bytes_read", "bytes_written", "evictions", "promotions", "demotions", "errors", "checksum_failures", "get_latency_p50_ms", "get_latency_p99_ms", "put_latency_p50_ms", "put_latency_p99_ms", "healthy")

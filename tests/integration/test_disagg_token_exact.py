@@ -1,5 +1,5 @@
 """Disaggregation changes nothing in the output (issue 4, "Must show"): a prefill worker process and a decode worker
-process, talking gRPC and moving KV over a real transfer backend (shm, tcp), produce exactly the tokens, text and
+process, talking gRPC and moving KV over a real transfer backend (shm, tcp, nixl), produce exactly the tokens, text and
 finish reasons that one engine produces alone, for greedy and seeded sampling, single requests and 16 concurrent
 requests with shared prefixes.
 
@@ -8,12 +8,15 @@ detokenizer (so text and stop strings are the engine's, not the workers').
 """
 from __future__ import annotations
 
+import os
 import random
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from engine.sampling_params import SamplingParams
+from kvstore.transfer import BackendUnavailable
+from kvstore.transfer.nixl import _import_nixl
 from strata.v1 import common_pb2, worker_pb2
 from worker_common.client import Completion, disaggregated
 from worker_common.convert import FINISH_REASONS, sampling_to_proto
@@ -63,7 +66,17 @@ def reference(model_path):
     return build_engine_from(model_path, num_blocks=512, max_num_batched_tokens=256, engine_text=True).engine
 
 
-@pytest.fixture(scope="module", params=["shm", "tcp"])
+def _backends() -> list:
+    """nixl where NIXL imports (CI installs it and requires it, see test_transfer_nixl.py)."""
+    try:
+        _import_nixl()
+        have_nixl = True
+    except BackendUnavailable:
+        have_nixl = bool(os.environ.get("STRATA_REQUIRE_NIXL"))
+    return ["shm", "tcp"] + (["nixl"] if have_nixl else [])
+
+
+@pytest.fixture(scope="module", params=_backends())
 def workers(request, model_path):
     prefill, decode = start_pair(model_path, request.param)
     yield prefill, decode

@@ -46,3 +46,22 @@ def test_buffer_address_is_the_first_byte_and_needs_writable_memory():
     assert ctypes.string_at(buffer_address(MemoryRegion.from_buffer("r", buf)), 3) == b"abc"
     with pytest.raises(ValueError, match="writable"):
         buffer_address(MemoryRegion.from_buffer("r", b"abc"))
+
+
+def test_per_handle_snapshots_carry_one_lease_and_merge_without_dropping_live_ones():
+    """A KV handle carries a snapshot with its own lease only; a reader holding an earlier handle's lease keeps it
+    (another thread may be reading under it) until that lease expires."""
+    import time
+
+    owner = OwnerDirectory()
+    owner.add(MemoryRegion.from_buffer("pool", bytearray(1000)))
+    a = owner.grant("pool", [(0, 10)], ttl_s=30.0)
+    short = owner.grant("pool", [(10, 10)], ttl_s=0.001)
+    b = owner.grant("pool", [(20, 10)], ttl_s=30.0)
+    first = PeerDirectory(owner.export(b"", [a, short]))
+    assert set(first.leases) == {a, short}
+    time.sleep(0.01)
+    merged = PeerDirectory(owner.export(b"", [b])).merged_into(first)
+    assert set(merged.leases) == {a, b}          # `short` expired: dropped; `a` kept beside the newer `b`
+    merged.resolve(Descriptor("x", "pool", 0, 10, a), 0)
+    merged.resolve(Descriptor("x", "pool", 20, 10, b), 0)

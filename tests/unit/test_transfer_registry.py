@@ -18,18 +18,19 @@ def test_every_backend_is_registered_under_its_config_name():
 
 def test_importing_the_package_needs_no_optional_rdma_package_nor_torch_nor_engine():
     code = ("import sys, kvstore.transfer; "
-            "bad = [m for m in ('nixl', 'mooncake', 'torch', 'engine') if m in sys.modules]; "
+            "bad = [m for m in ('nixl', 'nixl_cu12', 'mooncake', 'torch', 'engine') if m in sys.modules]; "
             "print(bad); sys.exit(1 if bad else 0)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
 
 
 @pytest.mark.parametrize("backend", ["nixl", "mooncake"])
 def test_optional_backend_without_its_package_raises_backend_unavailable(backend):
-    try:
-        __import__({"nixl": "nixl", "mooncake": "mooncake.engine"}[backend])
-        pytest.skip(f"{backend} is installed here")
-    except ImportError:
-        pass
+    for module in {"nixl": ("nixl", "nixl_cu12", "nixl_cu13"), "mooncake": ("mooncake.engine",)}[backend]:
+        try:
+            __import__(module)
+            pytest.skip(f"{backend} is installed here ({module})")
+        except ImportError:
+            pass
     with pytest.raises(BackendUnavailable, match=backend):
         create_agent(TransferConfig(backend=backend))
 
