@@ -3,8 +3,10 @@
 Loaded only where `mooncake.engine` imports; importing this module never needs it. Written against Mooncake's
 documented Python API (`TransferEngine().initialize(local_hostname, metadata_server, protocol, device_name)`,
 `get_rpc_port`, `register_memory(addr, len)`, `unregister_memory(addr)`, `transfer_sync_read(session, local_addr,
-remote_addr, len)` and, where present, `batch_transfer_sync_read`). It is not installable on the CPU machines this
-project is tested on, so it is exercised only where Mooncake is present.
+remote_addr, len)` and, where present, `batch_transfer_sync_read`). UNTESTED: the `mooncake-transfer-engine` 0.3.13
+wheel installs on the CPU machines this project is tested on but does not load there (it links the NVIDIA driver's
+`libcuda.so.1`), so this adapter runs only where Mooncake does; the nixl adapter, which shares its metadata path
+(directory.py), is tested for real.
 
 Metadata (region addresses, leases) travels out of band as with nixl: `export_metadata()` -> `add_peer`.
 """
