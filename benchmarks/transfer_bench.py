@@ -167,13 +167,8 @@ def summarize(results: dict[str, dict[str, dict[str, float]]]) -> dict[str, dict
 
 
 def default_backends() -> str:
-    from kvstore.transfer import BackendUnavailable
-    from kvstore.transfer.nixl import _import_nixl
-    try:
-        _import_nixl()
-        return "shm,tcp,nixl"
-    except BackendUnavailable:
-        return "shm,tcp"
+    from kvstore.transfer.nixl import nixl_missing
+    return "shm,tcp" if nixl_missing() else "shm,tcp,nixl"
 
 
 def main() -> None:

@@ -40,6 +40,15 @@ def _import_nixl() -> Any:
                              f"host): {'; '.join(errors)}")
 
 
+def nixl_missing() -> bool:
+    """True where NIXL cannot be imported (the backend then raises BackendUnavailable)."""
+    try:
+        _import_nixl()
+    except BackendUnavailable:
+        return True
+    return False
+
+
 def _new_agent(api: Any, name: str, backends: list[str], progress_delay_us: int) -> Any:
     """A `nixl_agent` whose progress thread waits `progress_delay_us` between polls."""
     base = api.nixlBind.nixlAgentConfig

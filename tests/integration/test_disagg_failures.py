@@ -7,6 +7,7 @@ Real processes over real sockets; every call carries a deadline, every test a ti
 """
 from __future__ import annotations
 
+import os
 import random
 import signal
 import time
@@ -15,6 +16,7 @@ import grpc
 import pytest
 
 from engine.sampling_params import SamplingParams
+from kvstore.transfer.nixl import nixl_missing
 from kvstore.tiers.redis import RedisTier
 from strata.v1 import common_pb2, worker_pb2
 from worker_common.client import Completion
@@ -163,6 +165,31 @@ def test_transfer_deadline_and_killed_prefill_over_tcp_recompute_token_exactly(c
         assert got.last_chunk.blocks_recomputed == 3
     finally:
         victim.stop()
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(nixl_missing() and not os.environ.get("STRATA_REQUIRE_NIXL"), reason="NIXL is not installed")
+def test_killed_prefill_over_nixl_recomputes_token_exactly(reference, model_path):
+    """nixl reads never reach owner code, so a dead owner shows up as NIXL's remote-disconnect error (or the
+    deadline): the decode worker recomputes and the tokens stay exact."""
+    args = ["--model", model_path, "--transfer", "nixl", "--transfer-deadline-s", "2", *ENGINE_ARGS]
+    victim, reader = WorkerProcess("prefill", args, wait=False), WorkerProcess("decode", args, wait=False)
+    try:
+        victim.wait_ready(), reader.wait_ready()
+        prompt = make_prompt(6)
+        healthy = decode(reader, "nixl-ok", prompt, prefill(victim, "nixl-ok", prompt))
+        assert_exact(healthy, reference.generate([prompt], PARAMS)[0])
+        assert healthy.last_chunk.blocks_transferred == 3 and healthy.last_chunk.kv_fallback_reason == ""
+        prompt = make_prompt(7)
+        first = prefill(victim, "killed-nixl", prompt)
+        victim.kill()
+        got = decode(reader, "killed-nixl", prompt, first)
+        assert_exact(got, reference.generate([prompt], PARAMS)[0])
+        assert got.last_chunk.kv_fallback_reason in ("peer unreachable", "deadline exceeded")
+        assert got.last_chunk.blocks_recomputed == 3
+    finally:
+        victim.stop()
+        reader.stop()
 
 
 @pytest.mark.timeout(600)

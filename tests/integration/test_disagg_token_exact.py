@@ -15,8 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from engine.sampling_params import SamplingParams
-from kvstore.transfer import BackendUnavailable
-from kvstore.transfer.nixl import _import_nixl
+from kvstore.transfer.nixl import nixl_missing
 from strata.v1 import common_pb2, worker_pb2
 from worker_common.client import Completion, disaggregated
 from worker_common.convert import FINISH_REASONS, sampling_to_proto
@@ -68,12 +67,7 @@ def reference(model_path):
 
 def _backends() -> list:
     """nixl where NIXL imports (CI installs it and requires it, see test_transfer_nixl.py)."""
-    try:
-        _import_nixl()
-        have_nixl = True
-    except BackendUnavailable:
-        have_nixl = bool(os.environ.get("STRATA_REQUIRE_NIXL"))
-    return ["shm", "tcp"] + (["nixl"] if have_nixl else [])
+    return ["shm", "tcp"] + (["nixl"] if not nixl_missing() or os.environ.get("STRATA_REQUIRE_NIXL") else [])
 
 
 @pytest.fixture(scope="module", params=_backends())

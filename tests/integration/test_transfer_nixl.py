@@ -12,21 +12,13 @@ import time
 import numpy as np
 import pytest
 
-from kvstore.transfer import (BackendUnavailable, LeaseExpired, OutOfBounds, PeerUnavailable, TransferConfig,
+from kvstore.transfer import (LeaseExpired, OutOfBounds, PeerUnavailable, TransferConfig,
                               TransferTimeout, UnknownRegion, create_agent, pack_views)
-from kvstore.transfer.nixl import _import_nixl
+from kvstore.transfer.nixl import nixl_missing
 from kvstore.transfer.owner_process import OwnerProcess, region_bytes
 
 
-def _nixl_missing() -> bool:
-    try:
-        _import_nixl()
-    except BackendUnavailable:
-        return True
-    return False
-
-
-pytestmark = pytest.mark.skipif(_nixl_missing() and not os.environ.get("STRATA_REQUIRE_NIXL"),
+pytestmark = pytest.mark.skipif(nixl_missing() and not os.environ.get("STRATA_REQUIRE_NIXL"),
                                 reason="NIXL is not installed (pip install nixl-cu12); CI requires it")
 
 POOL = 8 << 20
