@@ -15,6 +15,7 @@ flat out; `_agent_config` sets the delay (`progress_delay_us`, default 100 us: ~
 from __future__ import annotations
 
 import importlib
+import os
 import time
 import uuid
 from typing import Any, Sequence
@@ -28,8 +29,20 @@ _SPIN_S = 0.0005      # poll a posted transfer without sleeping this long: most 
 _POLL_S = 0.0001
 
 
+def _skip_absent_rdma() -> None:
+    """Without an RDMA device, keep UCX from loading its InfiniBand modules (unless UCX_MODULES says otherwise).
+
+    NOTE: where rdma-core is installed but no device exists, nixl-cu12 1.5.1's UCX loads its ib module anyway, and
+    the libnl-route it bundles crashes in its library destructor at process exit (SIGSEGV in rtnl_tc_unregister,
+    seen with Debian 12's libibverbs1): every process that made a NIXL agent exited with 139. The modules could
+    carry no traffic without a device, so leaving them out changes nothing else."""
+    if not os.path.isdir("/sys/class/infiniband"):
+        os.environ.setdefault("UCX_MODULES", "^ib,rdmacm")
+
+
 def _import_nixl() -> Any:
     """NIXL's `_api` module: from the `nixl` meta package, or from a build wheel installed alone."""
+    _skip_absent_rdma()
     errors = []
     for module in ("nixl._api", "nixl_cu12._api", "nixl_cu13._api"):
         try:

@@ -7,7 +7,10 @@ CPU-only host). `.ci/run` installs it and sets STRATA_REQUIRE_NIXL=1, so in CI a
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -109,3 +112,15 @@ def test_an_idle_agent_does_not_spin_a_core():
         time.sleep(1.0)
         after = os.times()
     assert (after.user + after.system) - (before.user + before.system) < 0.5
+
+
+def test_a_process_that_used_nixl_exits_cleanly():
+    """nixl-cu12's bundled UCX once crashed every such process at exit (SIGSEGV in a library destructor) where
+    rdma-core is installed without an RDMA device; `_skip_absent_rdma` keeps those modules out."""
+    code = ("from kvstore.transfer import TransferConfig, create_agent\n"
+            "with create_agent(TransferConfig(backend='nixl')) as agent:\n"
+            "    assert agent.export_metadata()\n")
+    env = {k: v for k, v in os.environ.items() if k != "UCX_MODULES"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr[-2000:]
