@@ -10,12 +10,14 @@ are checked by the reader against that snapshot (directory.py); NIXL itself neve
 
 NOTE: progress. Over UCX's non-RDMA transports the owner must answer connection set-up and emulated reads, so each
 agent runs NIXL's progress thread. NIXL's Python wrapper starts it with no delay between polls, which spins one core
-flat out; `_agent_config` sets the delay (`progress_delay_us`, default 100 us: ~3% of a core while idle).
+flat out; `_new_agent` sets the delay (`progress_delay_us`, default 100 us: ~3% of a core while idle). The agent is
+made thread-safe (NIXL's STRICT sync mode): a decode worker pulls from several gRPC threads at once.
 """
 from __future__ import annotations
 
 import importlib
 import os
+import threading
 import time
 import uuid
 from typing import Any, Sequence
@@ -74,7 +76,8 @@ def _new_agent(api: Any, name: str, backends: list[str], progress_delay_us: int)
     # class is swapped for the one call (agents are made once per worker, never concurrently).
     api.nixlBind.nixlAgentConfig = _Config
     try:
-        return api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=True, backends=backends))
+        return api.nixl_agent(name, api.nixl_agent_config(
+            enable_prog_thread=True, backends=backends, sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT))
     finally:
         api.nixlBind.nixlAgentConfig = base
 
@@ -97,6 +100,7 @@ class NixlAgent(TransferAgent):
         self._reg: dict[str, Any] = {}
         self._metadata: bytes | None = None
         self._peers: dict[str, tuple[str, bytes, PeerDirectory]] = {}   # address -> (NIXL name, metadata, directory)
+        self._peers_lock = threading.Lock()
 
     @property
     def address(self) -> str:
@@ -130,16 +134,17 @@ class NixlAgent(TransferAgent):
     def add_peer(self, address: str, snapshot: bytes) -> None:
         """Import an owner's snapshot; NIXL connects to an owner once, later snapshots add their leases."""
         peer = PeerDirectory(snapshot)
-        known = self._peers.get(address)
-        if known is not None and known[1] == peer.backend_metadata:
-            self._peers[address] = (known[0], known[1], peer.merged_into(known[2]))
-            return
-        try:
-            name = self._agent.add_remote_agent(peer.backend_metadata)
-        except Exception as e:  # noqa: BLE001 - NIXL's errors are plain Exceptions named nixl*Error
-            raise PeerUnavailable(f"NIXL could not load the metadata of {address}: {_describe(e)}") from None
-        name = name.decode() if isinstance(name, bytes) else name
-        self._peers[address] = (name, peer.backend_metadata, peer)
+        with self._peers_lock:  # NOTE: check-then-add: two threads must not load one owner twice
+            known = self._peers.get(address)
+            if known is not None and known[1] == peer.backend_metadata:
+                self._peers[address] = (known[0], known[1], peer.merged_into(known[2]))
+                return
+            try:
+                name = self._agent.add_remote_agent(peer.backend_metadata)
+            except Exception as e:  # noqa: BLE001 - NIXL's errors are plain Exceptions named nixl*Error
+                raise PeerUnavailable(f"NIXL could not load the metadata of {address}: {_describe(e)}") from None
+            name = name.decode() if isinstance(name, bytes) else name
+            self._peers[address] = (name, peer.backend_metadata, peer)
 
     def read(self, descs: Sequence[Descriptor], dst_bufs: Sequence[Any], deadline_s: float) -> ReadResult:
         start, deadline = time.perf_counter(), Deadline(deadline_s)

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -61,6 +62,26 @@ def test_batched_read_lands_end_to_end_in_one_destination(owner, reader):
     reader.read(descs, pack_views(big, descs), deadline_s=10.0)
     for i, d in enumerate(descs):
         assert np.array_equal(big[i * (256 << 10):(i + 1) * (256 << 10)], expected[d.offset:d.offset + d.length])
+
+
+def test_concurrent_reads_from_many_threads_are_each_exact(owner, reader):
+    """What a decode worker does: pulls from several gRPC threads through one agent at once."""
+    handle, expected = owner.handles["pool"], region_bytes("pool", POOL)
+    errors = []
+
+    def pull(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        for _ in range(20):
+            n = int(rng.integers(1, 512 << 10))
+            offset = int(rng.integers(0, POOL - n))
+            dst = np.zeros(n, np.uint8)
+            reader.read([handle.descriptor(offset, n)], [dst], deadline_s=20.0)
+            if not np.array_equal(dst, expected[offset:offset + n]):
+                errors.append((seed, offset, n))
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(pull, range(8)))
+    assert errors == []
 
 
 def test_leased_reads_follow_the_snapshot_and_expire(owner, reader):
