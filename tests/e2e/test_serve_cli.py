@@ -18,6 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvstore.transfer.nixl import nixl_missing
+from strata.client import StrataClient
 from strata.launcher import REPO_ROOT, ServeConfig
 
 pytestmark = pytest.mark.slow
@@ -154,6 +156,27 @@ def test_serve_starts_a_cluster_serves_and_stops_every_process_on_ctrl_c(tmp_pat
         while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not [p for p in pids if pid_alive(p)], "strata serve left processes behind"
+    finally:
+        if serve.proc.poll() is None:
+            serve.proc.kill()
+
+
+@pytest.mark.skipif(nixl_missing() and not os.environ.get("STRATA_REQUIRE_NIXL"), reason="NIXL is not installed")
+def test_serve_with_nixl_transfer_hands_kv_over_through_nixl(tmp_path):
+    """`strata serve --transfer nixl`: the router disaggregates a long prompt and the decode worker reads its KV
+    through NIXL (every full block and the tail); Ctrl-C stops it."""
+    config = tmp_path / "serve.yaml"
+    config.write_text(CONFIG)
+    serve = Serve(["--config", str(config), "--transfer", "nixl", "--log-level", "WARNING"])
+    try:
+        grpc_address = serve.wait_for(r"^SERVING grpc=(\S+) http=(\S+)").group(1)
+        with StrataClient(grpc_address, timeout_s=60) as client:
+            prompt = list(range(100, 190))  # 5 full blocks + a 10-token tail: too long to prefill on the decode side
+            out = client.generate(prompt, max_tokens=4, ignore_eos=True, include_metrics=True)
+        assert out.metrics.disaggregated and len(out.token_ids) == 4
+        assert (out.metrics.blocks_transferred, out.metrics.tail_tokens_transferred) == (5, 10)
+        serve.proc.send_signal(signal.SIGINT)
+        assert serve.proc.wait(timeout=30) == 0
     finally:
         if serve.proc.poll() is None:
             serve.proc.kill()
