@@ -24,7 +24,7 @@ REPRODUCE = """```bash
 python models/recipe/prepare_data.py lists
 python models/recipe/train_tokenizer.py --out models/strata-moe-tiny
 python models/recipe/prepare_data.py tokenize --tokenizer models/strata-moe-tiny
-OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 python models/recipe/train.py --minutes {target_minutes} --out models/strata-moe-tiny
+{train_commands}
 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 python models/recipe/distill_draft.py --minutes {draft_minutes}
 python models/recipe/model_cards.py
 ```"""
@@ -88,6 +88,33 @@ def data_section(curve: dict) -> str:
             f"bytes/token on train).")
 
 
+def stages_of(curve: dict) -> list[dict]:
+    """Every training stage (one when the model was never resumed)."""
+    fin, a = curve["final"], curve["args"]
+    return curve.get("stages") or [{"minutes": float(a["minutes"]), "lr": float(a["lr"]), "seed": int(a["seed"]),
+                                     "warmup_steps": int(a["warmup_steps"]), "steps": fin["steps"],
+                                     "tokens": fin["tokens"]}]
+
+
+def train_commands(curve: dict) -> str:
+    cmd = "OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 python models/recipe/train.py"
+    lines = []
+    for i, st in enumerate(stages_of(curve)):
+        extra = "" if i == 0 else f" --resume --seed {st['seed']} --lr {st['lr']:g} --warmup-steps {st['warmup_steps']}"
+        lines.append(f"{cmd} --minutes {st['minutes']:g}{extra} --out models/strata-moe-tiny")
+    return "\n".join(lines)
+
+
+def stages_text(curve: dict) -> str:
+    stages = stages_of(curve)
+    if len(stages) == 1:
+        return ""
+    parts = [f"stage {i + 1}{' from scratch' if i == 0 else ' (`--resume`, fresh AdamW, from the weights before it)'}: "
+             f"{st['minutes']:.1f} min, {st['tokens']:,} tokens, peak LR {st['lr']:g}, {st['warmup_steps']} warmup "
+             f"steps, seed {st['seed']}" for i, st in enumerate(stages)]
+    return "\n- Stages (each with its own warmup and cosine): " + "; ".join(parts) + "."
+
+
 def target_card(curve: dict, cfg: dict, s: dict[str, str], draft: dict) -> str:
     fin, a = curve["final"], curve["args"]
     epochs = fin["tokens"] / curve["data"]["train"]["tokens"]
@@ -124,7 +151,7 @@ It is a demo and test model, not a useful assistant.
   Intel Xeon with AMX, bf16 autocast, fp32 master weights; the machine's second core was shared with other work.
 - AdamW (betas 0.9/0.95, weight decay {a['weight_decay']}), peak LR {a['lr']}, {a['warmup_steps']} warmup steps,
   cosine over the time budget down to {a['min_lr_ratio']} x peak, grad-norm clip 1.0, router load-balancing loss
-  coefficient {cfg['router_aux_loss_coef']}, seed {a['seed']}.
+  coefficient {cfg['router_aux_loss_coef']}, seed {a['seed']}.{stages_text(curve)}
 
 ## Results
 
@@ -165,7 +192,7 @@ stack: prefix caching, tiered KV storage, MoE expert routing and (with `strata-d
 
 ## Reproduce
 
-{REPRODUCE.format(target_minutes=a['minutes'], draft_minutes=draft['minutes'])}
+{REPRODUCE.format(train_commands=train_commands(curve), draft_minutes=draft['minutes'])}
 """
 
 

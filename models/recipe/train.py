@@ -56,6 +56,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--eval-windows", type=int, default=64)
     p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True, help="bf16 autocast (AMX CPUs)")
     p.add_argument("--bench", type=int, default=0)
+    p.add_argument("--resume", action="store_true",
+                   help="a further stage: start from the weights and loss curve in --out (fresh AdamW, warmup, cosine "
+                        "over --minutes); use another --seed so the batches differ from the first stage's")
     return p.parse_args()
 
 
@@ -179,8 +182,12 @@ def main() -> None:
     rng = np.random.default_rng(args.seed)
     autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if args.bf16 else nullcontext
 
-    config = make_config(args)
-    model = Qwen3MoeForCausalLM(config)
+    if args.resume:  # NOTE: the checkpoint is bf16; training goes on in fp32 master weights from it
+        model = Qwen3MoeForCausalLM.from_pretrained(args.out, dtype=torch.float32)
+        config = model.config
+    else:
+        config = make_config(args)
+        model = Qwen3MoeForCausalLM(config)
     model.train()
     total, active = count_params(config, model)
     print(f"params: total {total:,}, active {active:,}", flush=True)
@@ -189,9 +196,20 @@ def main() -> None:
     optimizer = make_optimizer(model, args)
 
     budget = args.minutes * 60
-    curve = {"title": f"strata-moe-tiny ({total / 1e6:.1f}M total, {active / 1e6:.1f}M active)",
-             "params_total": total, "params_active": active, "args": {k: str(v) for k, v in vars(args).items()},
-             "train": [], "heldout": []}
+    stage = {"minutes": args.minutes, "lr": args.lr, "seed": args.seed, "warmup_steps": args.warmup_steps}
+    if args.resume:
+        curve = json.loads((args.out / "loss_curve.json").read_text())
+        done = curve.pop("final")
+        curve.setdefault("stages", [{"minutes": round(done["train_seconds"] / 60, 2), "lr": float(curve["args"]["lr"]),
+                                     "seed": int(curve["args"]["seed"]),
+                                     "warmup_steps": int(curve["args"]["warmup_steps"]), "steps": done["steps"],
+                                     "tokens": done["tokens"]}])
+        base = (done["steps"], done["tokens"], done["train_seconds"])
+    else:
+        curve = {"title": f"strata-moe-tiny ({total / 1e6:.1f}M total, {active / 1e6:.1f}M active)",
+                 "params_total": total, "params_active": active,
+                 "args": {k: str(v) for k, v in vars(args).items()}, "train": [], "heldout": []}
+        base = (0, 0, 0.0)
     tokens_per_step = args.batch * args.seq_len
     start = time.time()
     last_eval = last_ckpt = start
@@ -212,18 +230,19 @@ def main() -> None:
         optimizer.step()
         step += 1
         smoothed = ce.item() if smoothed is None else 0.98 * smoothed + 0.02 * ce.item()
-        seen = step * tokens_per_step
+        seen = base[1] + step * tokens_per_step
         if step % 10 == 0 or args.bench:
-            rate = seen / (time.time() - start)
-            curve["train"].append({"step": step, "tokens": seen, "seconds": round(time.time() - start, 1),
-                                   "lr": lr, "loss": ce.item(), "loss_smoothed": smoothed, "aux": aux.item()})
+            rate = step * tokens_per_step / (time.time() - start)
+            curve["train"].append({"step": base[0] + step, "tokens": seen,
+                                   "seconds": round(base[2] + time.time() - start, 1), "lr": lr, "loss": ce.item(),
+                                   "loss_smoothed": smoothed, "aux": aux.item()})
             print(f"step {step} tok {seen} {time.time() - start:.0f}s loss {ce.item():.3f} "
                   f"smooth {smoothed:.3f} aux {aux.item():.3f} lr {lr:.2e} {rate:.0f} tok/s", flush=True)
         if args.bench:
             continue
         now = time.time()
         if now - last_eval >= args.eval_minutes * 60:
-            record_eval(model, eval_rows, autocast, curve, step, seen, now - start, args.out)
+            record_eval(model, eval_rows, autocast, curve, base[0] + step, seen, base[2] + now - start, args.out)
             last_eval = time.time()
         if now - last_ckpt >= args.ckpt_minutes * 60:
             save_checkpoint(model, args.out)
@@ -232,7 +251,11 @@ def main() -> None:
             last_ckpt = time.time()
     if args.bench:
         return
-    finish(model, args, curve, eval_rows, heldout_tokens, autocast, step, step * tokens_per_step, time.time() - start)
+    stage.update(steps=step, tokens=step * tokens_per_step)
+    if args.resume:
+        curve["stages"].append(stage)
+    finish(model, args, curve, eval_rows, heldout_tokens, autocast, base[0] + step,
+           base[1] + step * tokens_per_step, base[2] + time.time() - start)
 
 
 def record_eval(model, eval_rows, autocast, curve, step, seen, seconds, out: Path) -> None:
