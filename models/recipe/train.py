@@ -200,7 +200,7 @@ def main() -> None:
     if args.resume:
         curve = json.loads((args.out / "loss_curve.json").read_text())
         done = curve.pop("final")
-        curve.setdefault("stages", [{"minutes": round(done["train_seconds"] / 60, 2), "lr": float(curve["args"]["lr"]),
+        curve.setdefault("stages", [{"minutes": float(curve["args"]["minutes"]), "lr": float(curve["args"]["lr"]),
                                      "seed": int(curve["args"]["seed"]),
                                      "warmup_steps": int(curve["args"]["warmup_steps"]), "steps": done["steps"],
                                      "tokens": done["tokens"]}])
