@@ -18,9 +18,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvstore.transfer.nixl import nixl_missing
 from strata.client import StrataClient
 from strata.launcher import REPO_ROOT, ServeConfig
+from tests.conftest import needs_nixl
 
 pytestmark = pytest.mark.slow
 
@@ -161,7 +161,7 @@ def test_serve_starts_a_cluster_serves_and_stops_every_process_on_ctrl_c(tmp_pat
             serve.proc.kill()
 
 
-@pytest.mark.skipif(nixl_missing() and not os.environ.get("STRATA_REQUIRE_NIXL"), reason="NIXL is not installed")
+@needs_nixl
 def test_serve_with_nixl_transfer_hands_kv_over_through_nixl(tmp_path):
     """`strata serve --transfer nixl`: the router disaggregates a long prompt and the decode worker reads its KV
     through NIXL (every full block and the tail); Ctrl-C stops it."""

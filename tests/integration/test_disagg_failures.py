@@ -7,7 +7,6 @@ Real processes over real sockets; every call carries a deadline, every test a ti
 """
 from __future__ import annotations
 
-import os
 import random
 import signal
 import time
@@ -16,9 +15,9 @@ import grpc
 import pytest
 
 from engine.sampling_params import SamplingParams
-from kvstore.transfer.nixl import nixl_missing
 from kvstore.tiers.redis import RedisTier
 from strata.v1 import common_pb2, worker_pb2
+from tests.conftest import needs_nixl
 from worker_common.client import Completion
 from worker_common.convert import FINISH_REASONS, sampling_to_proto
 from worker_common.engine_setup import build_engine_from
@@ -168,7 +167,7 @@ def test_transfer_deadline_and_killed_prefill_over_tcp_recompute_token_exactly(c
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.skipif(nixl_missing() and not os.environ.get("STRATA_REQUIRE_NIXL"), reason="NIXL is not installed")
+@needs_nixl
 def test_killed_prefill_over_nixl_recomputes_token_exactly(reference, model_path):
     """nixl reads never reach owner code, so a dead owner shows up as NIXL's remote-disconnect error (or the
     deadline): the decode worker recomputes and the tokens stay exact."""

@@ -8,15 +8,14 @@ detokenizer (so text and stop strings are the engine's, not the workers').
 """
 from __future__ import annotations
 
-import os
 import random
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from engine.sampling_params import SamplingParams
-from kvstore.transfer.nixl import nixl_missing
 from strata.v1 import common_pb2, worker_pb2
+from tests.conftest import SKIP_NIXL
 from worker_common.client import Completion, disaggregated
 from worker_common.convert import FINISH_REASONS, sampling_to_proto
 from worker_common.engine_setup import build_engine_from
@@ -67,7 +66,7 @@ def reference(model_path):
 
 def _backends() -> list:
     """nixl where NIXL imports (CI installs it and requires it, see test_transfer_nixl.py)."""
-    return ["shm", "tcp"] + (["nixl"] if not nixl_missing() or os.environ.get("STRATA_REQUIRE_NIXL") else [])
+    return ["shm", "tcp"] + ([] if SKIP_NIXL else ["nixl"])
 
 
 @pytest.fixture(scope="module", params=_backends())

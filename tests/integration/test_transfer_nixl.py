@@ -18,12 +18,11 @@ import pytest
 
 from kvstore.transfer import (LeaseExpired, OutOfBounds, PeerUnavailable, TransferConfig,
                               TransferTimeout, UnknownRegion, create_agent, pack_views)
-from kvstore.transfer.nixl import nixl_missing
 from kvstore.transfer.owner_process import OwnerProcess, region_bytes
+from tests.conftest import needs_nixl
 
 
-pytestmark = pytest.mark.skipif(nixl_missing() and not os.environ.get("STRATA_REQUIRE_NIXL"),
-                                reason="NIXL is not installed (pip install nixl-cu12); CI requires it")
+pytestmark = needs_nixl
 
 POOL = 8 << 20
 SLACK_S = 1.0
