@@ -57,6 +57,16 @@ class SocketReference:
         while got < dst.nbytes:
             got += self.sock.recv_into(dst[got:])
 
+    def round_trip_s(self, rounds: int = 5, calls: int = 500) -> float:
+        """Median time of an 8-byte request and 8-byte answer: the floor under any request/response read."""
+        dst, times = memoryview(bytearray(8)), []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            for _ in range(calls):
+                self.read(dst)
+            times.append((time.perf_counter() - start) / calls)
+        return statistics.median(times)
+
     def close(self) -> None:
         self.sock.close()
         self.proc.join(5)
@@ -144,6 +154,11 @@ def bench_backend(backend: str, quick: bool, budget_s: float, rounds: int) -> di
             extra = f"   loopback socket {row['socket_ratio']:5.2f}x" if ref is not None else ""
             print(f"{backend:4s} {name:>11s}: {row['read_GBps']:7.2f} GB/s   memcpy {row['memcpy_GBps']:7.2f} GB/s"
                   f"   ratio {row['ratio']:5.2f}x{extra}", flush=True)
+        if ref is not None:
+            row = out["round_trip"] = {"socket_us": ref.round_trip_s() * 1e6,
+                                       "memcpy_256KiB_us": 256 * KiB / out["256KiB"]["memcpy_GBps"] / 1e3}
+            print(f"{backend:4s} 8-byte loopback round trip (bare socket): {row['socket_us']:.1f} us ="
+                  f" {row['socket_us'] / row['memcpy_256KiB_us']:.1f}x the memcpy time of 256 KiB", flush=True)
     finally:
         reader.close()
         if ref is not None:
@@ -154,15 +169,23 @@ def bench_backend(backend: str, quick: bool, budget_s: float, rounds: int) -> di
 
 
 def summarize(results: dict[str, dict[str, dict[str, float]]]) -> dict[str, dict]:
+    """Per backend: the worst ratio over reads of 256 KiB and more (the issue's target range), and over reads of
+    16 MiB and more (bandwidth-bound: there a loopback round trip is under a tenth of the copy time)."""
     summary = {}
     for backend, rows in results.items():
-        big = {name: row["ratio"] for name, row in rows.items() if row["bytes"] >= 256 * KiB}
-        worst = min(big.values())
+        cases_ = {name: row for name, row in rows.items() if "ratio" in row}
+        worst = min(row["ratio"] for row in cases_.values() if row["bytes"] >= 256 * KiB)
+        bulk = [row["ratio"] for row in cases_.values() if row["bytes"] >= 16 * MiB]
+        worst_bulk = min(bulk) if bulk else None
         target = TARGETS.get(backend)
-        summary[backend] = {"min_ratio_ge_256KiB": worst, "target": target,
-                            "meets_target": None if target is None else worst >= target}
-        print(f"{backend}: min ratio over cases >= 256 KiB = {worst:.2f}x"
-              + (f" (target {target}x)" if target is not None else " (no target)"))
+        summary[backend] = {"min_ratio_ge_256KiB": worst, "min_ratio_ge_16MiB": worst_bulk, "target": target,
+                            "meets_target": None if target is None else worst >= target,
+                            "meets_target_ge_16MiB": None if target is None or worst_bulk is None
+                            else worst_bulk >= target}
+        line = f"{backend}: min ratio over cases >= 256 KiB = {worst:.2f}x"
+        if worst_bulk is not None:
+            line += f", >= 16 MiB = {worst_bulk:.2f}x"
+        print(line + (f" (target {target}x)" if target is not None else " (no target)"))
     return summary
 
 

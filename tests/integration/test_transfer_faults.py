@@ -85,6 +85,26 @@ def test_stalled_tcp_owner_gives_transfer_timeout_at_the_deadline():
         assert bytes(dst) == region_bytes("pool", 1 << 20)[:4096].tobytes()
 
 
+def test_a_short_deadline_does_not_cut_a_later_longer_one_short():
+    """The reader's socket keeps the kernel's timeout from an earlier read; a later read with more time waits its
+    own deadline out (the owner stalls 0.6 s) instead of failing at the earlier one's 0.1 s."""
+    with OwnerProcess("tcp", {"pool": 1 << 20}) as owner, reader_for("tcp") as reader:
+        desc = owner.handles["pool"].descriptor(0, 4096)
+        for _ in range(3):
+            reader.read([desc], [bytearray(4096)], deadline_s=0.1)
+        owner.pause()
+        timer = threading.Timer(0.6, owner.resume)
+        timer.start()
+        try:
+            dst = bytearray(4096)
+            start = time.monotonic()
+            reader.read([desc], [dst], deadline_s=10.0)
+            assert time.monotonic() - start >= 0.5
+        finally:
+            timer.join()
+        assert bytes(dst) == region_bytes("pool", 1 << 20)[:4096].tobytes()
+
+
 def test_stalled_shm_owner_does_not_block_one_sided_reads():
     """shm reads never run owner code: a SIGSTOPped (but live) owner still serves its leased bytes."""
     with OwnerProcess("shm", {"pool": 1 << 20}) as owner, reader_for("shm") as reader:
