@@ -60,7 +60,6 @@ class PageSender:
 
     def __init__(self) -> None:
         self._pipe: tuple[int, int] | None = None
-        self._pipe_bytes = 0
         if _vmsplice is not None:
             try:
                 read_end, write_end = os.pipe2(os.O_CLOEXEC)
@@ -69,9 +68,9 @@ class PageSender:
             else:
                 self._pipe = (read_end, write_end)
                 try:
-                    self._pipe_bytes = fcntl.fcntl(write_end, _F_SETPIPE_SZ, PIPE_BYTES)
-                except OSError:  # over the user's pipe-buffer allowance: the default size still works
-                    self._pipe_bytes = fcntl.fcntl(write_end, 1032)  # F_GETPIPE_SZ
+                    fcntl.fcntl(write_end, _F_SETPIPE_SZ, PIPE_BYTES)
+                except OSError:  # over the user's pipe-buffer allowance: the default size (64 KiB) still works
+                    pass
 
     @property
     def zero_copy(self) -> bool:
