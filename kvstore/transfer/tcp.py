@@ -30,8 +30,8 @@ from kvstore.transfer.base import (Deadline, Descriptor, LeaseId, MemoryRegion, 
                                    TransferAgent, TransferConfig, byte_views, register_backend)
 from kvstore.transfer.errors import OutOfBounds, PeerUnavailable, TransferError, TransferTimeout, UnknownRegion
 from kvstore.transfer.lease import LeaseBook
-from kvstore.transfer.tcp_server import (ERRORS, LENGTH, MAX_HEADER_BYTES, Bounded, TcpServer, close_socket,
-                                         send_message, tune)
+from kvstore.transfer.tcp_server import (ERRORS, Bounded, TcpServer, close_socket, recv_header, send_message,
+                                         tune)
 
 SCHEME = "tcp://"
 
@@ -62,13 +62,7 @@ class _TcpPeer:
         try:
             self.bounded.check(deadline.at)
             send_message(self.sock, msgpack.packb([request_id, reads]))
-            prefix = bytearray(LENGTH.size)
-            self.bounded.recv_all([memoryview(prefix)], deadline.at)
-            (length,) = LENGTH.unpack(prefix)
-            if length > MAX_HEADER_BYTES:
-                raise TransferError(f"malformed reply from {self.address}: a {length}-byte header")
-            header = bytearray(length)
-            self.bounded.recv_all([memoryview(header)], deadline.at)
+            header = recv_header(self.sock, fill=lambda view: self.bounded.recv_all([view], deadline.at))
             reply_id, error = msgpack.unpackb(header)
             if reply_id != request_id:
                 raise TransferError(f"reply {reply_id} from {self.address} to request {request_id}")

@@ -18,20 +18,19 @@ import socket
 import struct
 import threading
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import msgpack
 
 from kvstore.transfer.base import MemoryRegion
 from kvstore.transfer.errors import LeaseExpired, OutOfBounds, TransferError, UnknownRegion
 from kvstore.transfer.lease import LeaseBook, check_lease
-from kvstore.transfer.page_splice import PageSender, address_of, send_views
+from kvstore.transfer.page_splice import IOV_MAX, PageSender, address_of, send_views
 
 SOCKET_BUFFER_BYTES = 8 << 20
 MAX_HEADER_BYTES = 16 << 20      # a request for ~100k reads; anything larger is a broken peer
 LENGTH = struct.Struct("!I")
 TIMEVAL = struct.Struct("@ll")
-_IOV_MAX = 1024                  # buffers per recvmsg_into (Linux IOV_MAX)
 _RECV_IOV_BYTES = 2 << 20        # buffers offered to one recvmsg_into: more than a socket buffer holds at once
 _ACCEPT_POLL_S = 0.05
 
@@ -46,16 +45,10 @@ def tune(sock: socket.socket) -> None:
         sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
 
 
-def recv_exactly(sock: socket.socket, view: memoryview, until: float | None = None) -> None:
-    """Fill `view` from the socket (ConnectionClosed on EOF). `until`: a `time.monotonic()` deadline, past which
-    `socket.timeout` is raised; None waits as long as the socket's own timeout allows."""
+def recv_exactly(sock: socket.socket, view: memoryview) -> None:
+    """Fill `view` from a blocking socket (ConnectionClosed on EOF)."""
     got, n = 0, view.nbytes
     while got < n:
-        if until is not None:
-            remaining = until - time.monotonic()
-            if remaining <= 0:
-                raise socket.timeout("deadline passed")
-            sock.settimeout(remaining)
         k = sock.recv_into(view[got:], n - got)
         if k == 0:
             raise ConnectionClosed("connection closed by the peer")
@@ -94,7 +87,7 @@ class Bounded:
                 if first == len(pending) - 1:
                     got = self.sock.recv_into(pending[first])
                 else:
-                    iov, room, last = [], _RECV_IOV_BYTES, min(len(pending), first + _IOV_MAX)
+                    iov, room, last = [], _RECV_IOV_BYTES, min(len(pending), first + IOV_MAX)
                     for view in itertools.islice(pending, first, last):
                         iov.append(view)
                         room -= view.nbytes
@@ -113,11 +106,14 @@ class Bounded:
                     pending[first], got = pending[first][got:], 0
 
 
-def recv_header(sock: socket.socket, until: float | None = None, *, eof_ok: bool = False) -> bytearray | None:
-    """One length-prefixed message body (None at a clean EOF between messages when `eof_ok`)."""
+def recv_header(sock: socket.socket, *, eof_ok: bool = False,
+                fill: Callable[[memoryview], None] | None = None) -> bytearray | None:
+    """One length-prefixed message body (None at a clean EOF between messages when `eof_ok`). `fill(view)` fills a
+    view exactly (default: `recv_exactly` on `sock`; a reader passes its deadline-bound `Bounded.recv_all`)."""
+    fill = fill or (lambda view: recv_exactly(sock, view))
     prefix = bytearray(LENGTH.size)
     try:
-        recv_exactly(sock, memoryview(prefix), until)
+        fill(memoryview(prefix))
     except ConnectionClosed:
         if eof_ok:
             return None
@@ -126,7 +122,7 @@ def recv_header(sock: socket.socket, until: float | None = None, *, eof_ok: bool
     if length > MAX_HEADER_BYTES:
         raise ConnectionClosed(f"message header of {length} bytes exceeds {MAX_HEADER_BYTES}")
     body = bytearray(length)
-    recv_exactly(sock, memoryview(body), until)
+    fill(memoryview(body))
     return body
 
 
