@@ -18,7 +18,7 @@ from engine.request import Request, RequestStatus
 from engine.sampler import Sampler, token_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import RequestUpdate, ScheduledStep, Scheduler
-from strata.config import CacheConfig, SchedulerConfig
+from engine.config import CacheConfig, SchedulerConfig
 
 
 class Runner(Protocol):

@@ -24,7 +24,7 @@ from engine.models.errors import (CheckpointError, ConfigFieldError, MissingFile
 from engine.models.spec import ModelSpec, parse_spec
 from engine.models.weights import load_weights
 from engine.tokenizer import Tokenizer
-from strata.config import ModelConfig
+from engine.config import ModelConfig
 
 __all__ = ["Checkpoint", "CheckpointError", "ConfigFieldError", "LoadedModel", "MissingFileError",
            "MissingTensorError", "SafetensorsReader", "TensorShapeError", "TokenizerMismatchError",

@@ -11,7 +11,7 @@ from engine.attention.backend import get_attention_backend
 from engine.batch import StepBatch
 from engine.kv_cache import KVCache
 from engine.loader import load_model, torch_dtype
-from strata.config import CacheConfig, ModelConfig
+from engine.config import CacheConfig, ModelConfig
 
 
 def _flat_inputs(batch: StepBatch) -> tuple[list[int], list[int], list[int]]:

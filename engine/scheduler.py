@@ -20,7 +20,7 @@ from typing import Iterable, NamedTuple, Sequence
 from engine.batch import ScheduledSeq, StepBatch
 from engine.block_manager import BlockManager, cdiv
 from engine.request import Request, RequestStatus
-from strata.config import SchedulerConfig
+from engine.config import SchedulerConfig
 
 
 class ScheduledStep(NamedTuple):

@@ -12,7 +12,7 @@ from engine.tokenizer import Tokenizer
 from kvstore.hashing import Namespace
 from router.cost_model import CostModelConfig
 from router.validation import GenerateParams, ModelLimits
-from strata.config import CacheConfig
+from engine.config import CacheConfig
 from strata.llm import kv_namespace
 from strata.v1 import common_pb2
 

@@ -14,7 +14,7 @@ from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from kvstore.hashing import Namespace, hash_block
-from strata.config import CacheConfig, ModelConfig, SchedulerConfig
+from engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from strata.paths import resolve_model
 
 

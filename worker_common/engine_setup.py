@@ -15,7 +15,7 @@ from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
 from kvstore import codec
 from kvstore.hashing import BlockHash, Namespace, hash_block
-from strata.config import CacheConfig, ModelConfig, SchedulerConfig
+from engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from strata.llm import kv_namespace
 from worker_common.config import WorkerConfig
 

@@ -12,7 +12,7 @@ import pytest
 from engine.model_runner import ModelRunner
 from kvstore.events import AllBlocksCleared, BlockRemoved, ZmqEventSubscriber
 from kvstore.hashing import hash_blocks
-from strata.config import CacheConfig, ModelConfig
+from engine.config import CacheConfig, ModelConfig
 from strata.llm import kv_namespace
 from strata.v1 import common_pb2, worker_pb2
 from worker_common.cache_stats import latency_quantile_ms

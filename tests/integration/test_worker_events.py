@@ -13,7 +13,7 @@ from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from kvstore.events import BlockRemoved, BlockStored, ZmqEventSubscriber, worker_topic
 from kvstore.hashing import hash_blocks
-from strata.config import CacheConfig, ModelConfig
+from engine.config import CacheConfig, ModelConfig
 from strata.llm import kv_namespace
 from worker_common.client import disaggregated
 from worker_common.kv_events import DeviceEvents

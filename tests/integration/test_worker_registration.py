@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from engine.model_runner import ModelRunner
-from strata.config import CacheConfig, ModelConfig
+from engine.config import CacheConfig, ModelConfig
 from strata.llm import kv_namespace
 from strata.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
 from worker_common.launch import WorkerProcess

@@ -18,7 +18,7 @@ from engine.llm_engine import LLMEngine
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
 from kvstore.hashing import Namespace, hash_block
-from strata.config import CacheConfig, SchedulerConfig
+from engine.config import CacheConfig, SchedulerConfig
 
 BS = 4
 ROOT = Namespace("toy", "bs4", "float32").fingerprint()

@@ -15,7 +15,7 @@ from engine.loader import (CheckpointError, ConfigFieldError, MissingFileError, 
                            load_checkpoint, load_model)
 from engine.models.spec import parse_spec
 from engine.tokenizer import Tokenizer
-from strata.config import ModelConfig
+from engine.config import ModelConfig
 
 
 def copy_checkpoint(tiny_checkpoint, name: str, dest: Path) -> Path:

@@ -6,7 +6,7 @@ import torch
 
 from engine.batch import ScheduledSeq, StepBatch
 from engine.model_runner import ModelRunner
-from strata.config import CacheConfig, ModelConfig
+from engine.config import CacheConfig, ModelConfig
 
 BLOCK = 4
 

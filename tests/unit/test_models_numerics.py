@@ -7,7 +7,7 @@ import torch
 
 from engine.batch import ScheduledSeq, StepBatch
 from engine.model_runner import ModelRunner
-from strata.config import CacheConfig, ModelConfig
+from engine.config import CacheConfig, ModelConfig
 from tests.conftest import TINY_VARIANTS
 
 ATOL = 1e-4

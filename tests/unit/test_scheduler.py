@@ -9,7 +9,7 @@ from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledStep, Scheduler
 from kvstore.hashing import Namespace, hash_block
-from strata.config import SchedulerConfig
+from engine.config import SchedulerConfig
 
 BS = 4
 EOS = 0

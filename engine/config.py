@@ -1,0 +1,63 @@
+"""Frozen, validated engine configs (model, KV cache, scheduler): the engine owns them; `strata.config` re-exports.
+
+Each area has its own dataclass; each validates on construction and names the field and the allowed range.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Where the checkpoint lives and how to run it."""
+
+    path: str
+    device: str = "cpu"
+    dtype: str = "float32"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _require(bool(self.path), "model path must be a non-empty folder path")
+        _require(self.dtype in _DTYPES, f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        _require(self.device == "cpu" or self.device.startswith(("cuda", "mps")),
+                 f"device must be 'cpu', 'cuda', 'cuda:N' or 'mps', got {self.device!r}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: block-major `[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]`."""
+
+    block_size: int = 16
+    num_blocks: int = 2048
+    enable_prefix_caching: bool = True
+    cache_salt: str = ""
+
+    def __post_init__(self) -> None:
+        _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256),
+                 f"block_size must be a power of two from 1 to 256, got {self.block_size}")
+        _require(self.num_blocks >= 2, f"num_blocks must be at least 2, got {self.num_blocks}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits. `max_num_batched_tokens` is the per-step token budget (chunked prefill)."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 4096
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        _require(self.max_num_batched_tokens >= 1,
+                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        _require(self.max_model_len >= 1, f"max_model_len must be >= 1, got {self.max_model_len}")
+        _require(self.enable_chunked_prefill or self.max_num_batched_tokens >= self.max_model_len,
+                 "without chunked prefill, max_num_batched_tokens must be >= max_model_len")
