@@ -75,6 +75,11 @@ class ModelRunner:
         self.cache.write_blocks(block_ids, data)
         self.attention.invalidate()
 
+    def rope(self, batch: StepBatch, positions: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin `[T, 1, D]` for the step's flat `positions` (`length`: max position + 1)."""
+        self.model.rotary.ensure(length)
+        return self.model.rotary.lookup_signed(positions)
+
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> torch.Tensor:
         """float32 logits `[sum(seq.num_logits), vocab]`: each sequence's last num_logits positions, in order."""
@@ -82,12 +87,12 @@ class ModelRunner:
             return torch.empty(0, self.spec.vocab_size, dtype=torch.float32, device=self.device)
         _check_tables(batch, self.block_size)
         ids, positions, logit_rows = _flat_inputs(batch)
-        self.model.rotary.ensure(max(positions) + 1)
         meta = self.attention.build_metadata(batch, self.block_size, self.device, self.dtype)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)          # [T]
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)          # [T]
+        cos, sin = self.rope(batch, pos, max(positions) + 1)                          # [T, 1, D] each
         try:
-            hidden = self.model(input_ids, pos, self.attention, self.cache.layers, meta)  # [T, H]
+            hidden = self.model(input_ids, cos, sin, self.attention, self.cache.layers, meta)  # [T, H]
         except BaseException:
             self.attention.invalidate()     # a half-run step leaves derived attention state behind the cache
             raise

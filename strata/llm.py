@@ -40,9 +40,11 @@ class EngineArgs:
     max_model_len: int = 2048
     seed: int = 0
     attention: str = "torch"
+    enforce_eager: bool = False
+
 
     def configs(self) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
-        model = ModelConfig(resolve_model(self.model), self.device, self.dtype, self.seed)
+        model = ModelConfig(resolve_model(self.model), self.device, self.dtype, self.seed, self.enforce_eager)
         cache = CacheConfig(self.block_size, self.num_blocks, self.enable_prefix_caching)
         scheduler = SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len)
         return model, cache, scheduler

@@ -49,10 +49,10 @@ class CausalLM(nn.Module):
         self.head_weight: torch.Tensor | None = None      # [V, H] for logits, derived in post_load
         self.rotary = RotaryTable(spec.rope, spec.head_dim, spec.max_position_embeddings, device, dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
+    def forward(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend,
                 caches: list[tuple[torch.Tensor, torch.Tensor]], meta: Any) -> torch.Tensor:
-        """Hidden states `[T, H]` (before the final norm) for input_ids/positions `[T]`."""
-        cos, sin = self.rotary.lookup_signed(positions)                   # [T, 1, D] each; sin half-negated
+        """Hidden states `[T, H]` (before the final norm) for input_ids `[T]`; cos/sin `[T, 1, D]` from the rotary
+        table (`RotaryTable.lookup_signed`: sin half-negated), looked up by the caller per token."""
         x = self.embed(input_ids)                                         # [T, H]
         for layer, cache in zip(self.layers, caches):
             x = layer(x, cos, sin, backend, cache, meta)
