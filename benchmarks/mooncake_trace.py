@@ -1,4 +1,4 @@
-"""Mooncake-format request traces (`../shared/data/traces/`): loading, and a synthetic hot prefix.
+"""Mooncake-format request traces (`benchmarks/data/`): loading, and a synthetic hot prefix.
 
 One JSON object per line: `timestamp` (ms), `input_length`, `output_length` (tokens), `hash_ids` (one id per
 512-token block; equal ids mean an equal prefix up to that block). Shared by the routing and serving benchmarks.
@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-REPO = Path(__file__).resolve().parent.parent
-TRACE_REL = Path("data/traces/mooncake_synthetic_trace.jsonl")
+DATA = Path(__file__).resolve().parent / "data"  # the public traces shipped with this repository (README there)
+DEFAULT_TRACE = DATA / "mooncake_synthetic_trace.jsonl"
 TRACE_BLOCK = 512  # the Mooncake trace's block size, in tokens
 HOT_ID_BASE = 1 << 40  # ids of the synthetic hot prefix: far above any trace id
 
@@ -31,11 +31,11 @@ class TraceRequest:
 # --------------------------------------------------------------------------------------------------- the trace
 
 def find_trace(explicit: str | None) -> Path:
-    candidates = [Path(explicit)] if explicit else [REPO.parent / "shared" / TRACE_REL, REPO / "shared" / TRACE_REL]
-    for path in candidates:
-        if path.is_file():
-            return path
-    raise SystemExit(f"trace not found; looked in {', '.join(map(str, candidates))} (pass --trace PATH)")
+    """`explicit`, or the Mooncake synthetic trace in `benchmarks/data/`; nothing outside the repository."""
+    path = Path(explicit) if explicit else DEFAULT_TRACE
+    if not path.is_file():
+        raise SystemExit(f"trace not found: {path} (pass --trace PATH to a Mooncake-format JSONL)")
+    return path
 
 
 def load_trace(path: Path, limit: int | None = None) -> list[TraceRequest]:

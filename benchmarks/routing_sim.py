@@ -11,8 +11,8 @@ batches (with sequence numbers) into one `router.index.PrefixIndex`; each reques
 Time model: requests arrive at their trace timestamps; a worker serves its jobs first-come first-served, one at a
 time. A prefill job takes uncached_tokens / prefill_tps; a decode job takes output_tokens * decode_s_per_token
 (the per-request share of a batched decode step) and starts after its prefill (+ KV transfer when disaggregated).
-TTFT = queue wait + prefill. Cache lookups and inserts happen when a request is routed (as in the trace README's
-single-LRU figures, which `--sanity` reproduces).
+TTFT = queue wait + prefill. Cache lookups and inserts happen when a request is routed (as in the single-LRU figures
+of benchmarks/data/README.md, which `--sanity` reproduces).
 
 Figures: token hit ratio (prompt tokens served from the prefill worker's cache, prefix semantics), block hit ratio,
 load imbalance = max / mean of per-worker BUSY TIME (seconds of prefill + decode work; the requests-processed
@@ -284,7 +284,7 @@ def run_hot(trace: Sequence[TraceRequest], sim: SimConfig, hot_blocks: int) -> d
 
 
 def run_sanity(trace: Sequence[TraceRequest]) -> dict:
-    """The trace README's single-LRU figures: 10k / 50k blocks -> 43.1 % / 65.1 % of tokens, infinite 65.1 %."""
+    """Single-LRU token hit ratios of benchmarks/data/README.md: 10k blocks 43.1 %, 50k 65.1 %, infinite 65.1 %."""
     caps = {"10000": 10_000, "50000": 50_000, "infinite": len(trace) * 1_000}  # more blocks than the trace has
     return {name: pooled_lru(trace, cap)["token_hit_ratio"] for name, cap in caps.items()}
 
@@ -328,7 +328,7 @@ def plot(report: dict, path: str) -> None:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--trace", help="Mooncake-format JSONL (default: ../shared/data/traces/... beside the repo)")
+    ap.add_argument("--trace", help="Mooncake-format JSONL (default: benchmarks/data/mooncake_synthetic_trace.jsonl)")
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--capacity", type=int, default=2_000, help="blocks of 512 tokens per worker")
     ap.add_argument("--prefill-tps", type=float, default=10_000.0, help="prefill tokens/s per worker")
@@ -337,7 +337,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--hot-prefix-blocks", type=int, default=32, help="0 skips the hot-prefix scenario")
     ap.add_argument("--limit", type=int, help="replay only the first LIMIT requests")
     ap.add_argument("--quick", action="store_true", help="first 500 requests (CI)")
-    ap.add_argument("--sanity", action="store_true", help="also check the README's single-LRU figures")
+    ap.add_argument("--sanity", action="store_true", help="also check benchmarks/data/README.md's single-LRU figures")
     ap.add_argument("--plot", metavar="PNG")
     ap.add_argument("--json", action="store_true", help="print one JSON object with every figure as the last line")
     return ap.parse_args(argv)
@@ -361,7 +361,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                     report["hot"]["policies"], report["hot"]["pooled"])
     if args.sanity:
         report["sanity_single_lru"] = run_sanity(trace)
-        print("\nsingle LRU token hit ratio (README: 10k 0.431, 50k 0.651, infinite 0.651): " +
+        print("\nsingle LRU token hit ratio (benchmarks/data/README.md: 10k 0.431, 50k 0.651, infinite 0.651): " +
               ", ".join(f"{k}: {v:.4f}" for k, v in report["sanity_single_lru"].items()))
     if args.plot:
         plot(report, args.plot)

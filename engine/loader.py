@@ -2,15 +2,14 @@
 model.safetensors.index.json), tokenizer.json (+ tokenizer_config.json), generation_config.json.
 
     load_checkpoint(path) -> Checkpoint      cheap: parses config and safetensors headers, no weights read
+                                             (engine.checkpoint, torch-free; re-exported here)
     load_model(model_config) -> LoadedModel  builds the decoder and fills its (fused, stacked) weights
 
 Errors are `CheckpointError` subclasses (all `ValueError`) naming the file, tensor or field.
 """
 from __future__ import annotations
 
-import hashlib
 import json
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,10 +17,11 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from engine.checkpoint import Checkpoint, load_checkpoint, read_header
 from engine.models.decoder import CausalLM
 from engine.models.errors import (CheckpointError, ConfigFieldError, MissingFileError, MissingTensorError,
                                   TensorShapeError, TokenizerMismatchError, UnsupportedArchitectureError)
-from engine.models.spec import ModelSpec, parse_spec
+from engine.models.spec import ModelSpec
 from engine.models.weights import load_weights
 from engine.tokenizer import Tokenizer
 from engine.config import ModelConfig
@@ -31,35 +31,10 @@ __all__ = ["Checkpoint", "CheckpointError", "ConfigFieldError", "LoadedModel", "
            "UnsupportedArchitectureError", "load_checkpoint", "load_model", "torch_dtype"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-INDEX_FILE = "model.safetensors.index.json"
 
 
 def torch_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
-
-
-def _read_header(path: Path) -> bytes:
-    with path.open("rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        return f.read(length)
-
-
-def _index_files(folder: Path) -> list[Path]:
-    index = json.loads((folder / INDEX_FILE).read_text())
-    names = sorted(set(index.get("weight_map", {}).values()))
-    for name in names:
-        if not (folder / name).is_file():
-            raise MissingFileError(f"{folder / INDEX_FILE} lists shard {name!r}, which is missing from {folder}")
-    return [folder / n for n in names]
-
-
-def weight_files(folder: Path) -> list[Path]:
-    if (folder / INDEX_FILE).is_file():
-        return _index_files(folder)
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise MissingFileError(f"{folder}: no *.safetensors weights file (and no {INDEX_FILE})")
-    return files
 
 
 class SafetensorsReader:
@@ -69,7 +44,7 @@ class SafetensorsReader:
         self._file_of: dict[str, Path] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
         for path in files:
-            header = json.loads(_read_header(path))
+            header = json.loads(read_header(path))
             for name, info in header.items():
                 if name != "__metadata__":
                     self._file_of[name], self._shapes[name] = path, tuple(info["shape"])
@@ -89,41 +64,6 @@ class SafetensorsReader:
 
     def close(self) -> None:
         self._handles.clear()
-
-
-def fingerprint(spec: ModelSpec, files: list[Path], dtype: str, quantization: str = "none") -> str:
-    """`arch/digest/dtype/quant` for the KV namespace. The digest covers the parsed spec (so a RoPE change is a
-    new namespace) and every shard's safetensors header (names, dtypes, shapes, offsets) and file size: cheap
-    (no weight bytes read) yet changes with any re-export."""
-    digest = hashlib.blake2b(repr(spec).encode(), digest_size=16)
-    for path in files:
-        digest.update(path.name.encode() + b"\0" + str(path.stat().st_size).encode() + b"\0")
-        digest.update(_read_header(path))
-    return f"{spec.architecture}/{digest.hexdigest()}/{dtype}/{quantization}"
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    folder: Path
-    config: dict[str, Any]
-    spec: ModelSpec
-    files: tuple[Path, ...]
-    generation_config: dict[str, Any]
-
-    def fingerprint(self, dtype: str, quantization: str = "none") -> str:
-        return fingerprint(self.spec, list(self.files), dtype, quantization)
-
-
-def load_checkpoint(path: str | Path) -> Checkpoint:
-    folder = Path(path)
-    config_path = folder / "config.json"
-    if not config_path.is_file():
-        raise MissingFileError(f"{config_path}: config.json is missing; expected a Hugging Face checkpoint folder")
-    config = json.loads(config_path.read_text())
-    spec = parse_spec(config, str(config_path))
-    gen_path = folder / "generation_config.json"
-    generation = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
-    return Checkpoint(folder, config, spec, tuple(weight_files(folder)), generation)
 
 
 def check_tokenizer(tokenizer: Tokenizer, spec: ModelSpec, folder: Path) -> None:

@@ -43,6 +43,17 @@ class Namespace:
     def with_salt(self, cache_salt: str) -> "Namespace":
         return Namespace(self.model_fingerprint, self.kv_layout, self.kv_dtype, cache_salt)
 
+    @classmethod
+    def for_model(cls, model_fingerprint: str, *, num_layers: int, num_kv_heads: int, head_dim: int,
+                  block_size: int, kv_dtype: str, cache_salt: str = "") -> "Namespace":
+        """The namespace of a model's block-major paged KV (`[blocks, layers, 2, block_size, kv_heads, head_dim]`).
+
+        The one definition the workers and the offline `LLM` (from a loaded model) and the router (from the
+        checkpoint's config, without torch) share: plain numbers in, so the store needs no model code.
+        """
+        layout = f"block_major/L{num_layers}/H{num_kv_heads}/D{head_dim}/B{block_size}"
+        return cls(model_fingerprint, layout, kv_dtype, cache_salt)
+
 
 def _token_bytes(tokens: Sequence[int]) -> bytes:
     try:

@@ -1,27 +1,24 @@
 """A model the router serves: its tokenizer, block-hash namespace and limits, read from the checkpoint folder
-without loading weights (the router hashes prompts exactly as the workers do, DESIGN §3)."""
+without loading weights (the router hashes prompts exactly as the workers do, docs/architecture.md §3).
+
+NOTE: nothing here imports torch (tests/unit/test_layering.py): `engine.checkpoint` reads config.json and the
+safetensors headers, and `Namespace.for_model` is the workers' namespace definition on plain numbers."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
-from engine.loader import load_checkpoint
+from engine.checkpoint import load_checkpoint
+from engine.config import CacheConfig
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from kvstore.hashing import Namespace
 from router.cost_model import CostModelConfig
 from router.validation import GenerateParams, ModelLimits
-from engine.config import CacheConfig
-from strata.llm import kv_namespace
 from strata.v1 import common_pb2
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "int8": 1}
-
-
-class _CheckpointFacts(NamedTuple):
-    spec: object
-    fingerprint: str
 
 
 @dataclass(frozen=True)
@@ -45,10 +42,10 @@ class ServedModel:
         """Reads config.json, the safetensors headers and the tokenizer; no weights."""
         ckpt = load_checkpoint(path)
         spec = ckpt.spec
-        # NOTE: `kv_namespace` reads only `.spec` and `.fingerprint` of a runner: handing it the checkpoint's facts
-        # keeps one definition of the namespace (the workers' and the offline LLM's) without loading weights.
-        facts = _CheckpointFacts(spec, ckpt.fingerprint(dtype))
-        namespace = kv_namespace(facts, CacheConfig(block_size=block_size), dtype)  # type: ignore[arg-type]
+        cache = CacheConfig(block_size=block_size)  # checks block_size as the workers' config does; salt-free
+        namespace = Namespace.for_model(ckpt.fingerprint(dtype), num_layers=spec.num_layers,
+                                        num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                                        block_size=cache.block_size, kv_dtype=dtype, cache_salt=cache.cache_salt)
         tokenizer = Tokenizer.from_dir(path)
         im_end = tokenizer.backend.token_to_id("<|im_end|>")
         chat_stops = (im_end,) if im_end is not None and "<|im_end|>" in (tokenizer.chat_template or "") else ()

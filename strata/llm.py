@@ -21,8 +21,9 @@ from strata.paths import resolve_model
 def kv_namespace(runner: ModelRunner, cache_config: CacheConfig, dtype: str) -> Namespace:
     """The block-hash namespace of a loaded model: weights, KV layout and dtype, tenant salt (DESIGN §3)."""
     spec = runner.spec
-    layout = (f"block_major/L{spec.num_layers}/H{spec.num_kv_heads}/D{spec.head_dim}/B{cache_config.block_size}")
-    return Namespace(runner.fingerprint, layout, dtype, cache_config.cache_salt)
+    return Namespace.for_model(runner.fingerprint, num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
+                               head_dim=spec.head_dim, block_size=cache_config.block_size, kv_dtype=dtype,
+                               cache_salt=cache_config.cache_salt)
 
 
 @dataclass(frozen=True)

@@ -64,11 +64,14 @@ def test_missing_trace_is_a_clear_error(tmp_path):
         sim.find_trace(str(tmp_path / "absent.jsonl"))
 
 
+def test_default_trace_lives_in_the_repository():
+    """No benchmark reads outside the repository: a fresh clone with nothing beside it has every trace."""
+    path = sim.find_trace(None).resolve()
+    assert path == REPO / "benchmarks" / "data" / "mooncake_synthetic_trace.jsonl"
+    assert len(sim.load_trace(path)) == 3_993
+
+
 def test_quick_mode_runs_and_pooled_cache_bounds_every_policy(capsys):
-    try:
-        sim.find_trace(None)
-    except SystemExit:
-        pytest.skip("the shared Mooncake trace is not beside this checkout")
     sim.main(["--quick", "--json", "--hot-prefix-blocks", "8"])
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     main = report["main"]
