@@ -22,7 +22,9 @@ class AttentionBackend(ABC):
     - `forward` first writes `k`, `v` (rows in batch token order) into the cache slots
       `block_table[pos // block_size] * block_size + pos % block_size`, then returns the attention output
       `[tokens, num_heads, head_dim]` in the same row order. Query at position p sees keys at positions <= p of
-      its own sequence only. It writes no cache slot other than the step's own.
+      its own sequence only; with `window=w` only those in (p - w, p] (Mistral's sliding window: w keys, its own
+      included), in every path (fresh or chunked prefill, prefix hit, decode). It writes no cache slot other than
+      the step's own. A backend that cannot honour a window raises; it never attends to the full history instead.
     - A backend may keep state derived from the cache across steps (torch: the running decode batch's K/V, see
       decode_buffer.py); `build_metadata` is then called once per step, before that step's `forward` calls.
       `invalidate` drops such state; callers call it after writing the cache outside `forward` or after a step
@@ -38,9 +40,11 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                cache: tuple[torch.Tensor, torch.Tensor], meta: Any, scale: float) -> torch.Tensor:
+                cache: tuple[torch.Tensor, torch.Tensor], meta: Any, scale: float,
+                window: int | None = None) -> torch.Tensor:
         """q `[T, Hq, D]`, k/v `[T, Hkv, D]` (may be strided views), cache: this layer's (K, V) views, each
-        `[num_blocks, block_size, Hkv, D]`, of the block-major cache."""
+        `[num_blocks, block_size, Hkv, D]`, of the block-major cache; `window`: this layer's sliding window
+        (None: full causal attention)."""
 
     def invalidate(self) -> None:
         """The cache was written outside `forward` (e.g. blocks copied in): drop anything derived from it."""

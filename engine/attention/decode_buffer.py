@@ -10,6 +10,8 @@ two K/V gathers were ~0.7 ms of a ~4 ms layer).
     per layer, K and V each:  [rows, Hkv, capacity, D]   (the layout SDPA reads, no copy per step)
     row b:  | 0 .. start_pos-1 (kept from earlier steps) | start_pos (written this step) | stale or zero ... |
                                                                                           ^ masked out
+    A sliding-window layer keeps every position too; its step mask also hides positions <= start_pos - window
+    (torch_paged.WindowMasks), so the buffer's layout and continuation rule do not depend on windows.
 
 NOTE: the cost is memory: a second, padded copy of the running batch's K/V for every layer (rows x capacity
 positions, capacity = the longest context rounded up to 256), kept between steps and never shrunk. For the

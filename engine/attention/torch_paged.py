@@ -6,12 +6,19 @@ which only appends the new token when the step continues the last one (decode_bu
 (prefill, chunked prefill, verify) loop over sequences; a fresh prefill (start_pos == 0) attends over its own new
 K/V with a causal SDPA.
 
+A layer with a sliding window (`forward(..., window=w)`) attends through masks that also hide keys at positions
+<= p - w. They are made once per step and window, by the first layer that asks (`TorchPagedMetadata.windows`), and
+only where the window is shorter than the context; full-attention layers take exactly the paths above.
+
+    query p, window w:   keys | 0 ... p-w | p-w+1 ... p | p+1 ...
+                              |  hidden   |   visible   | hidden (causal)
+
     flat batch rows:  | seq0 (prefill, rows 0..n0) | seq1 (decode) | seq2 (decode) | seq3 (chunk, start_pos>0) |
 """
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +47,17 @@ class TorchPagedMetadata:
     prefills: tuple[PrefillSeq, ...]
     buffer_append: bool | None = None   # pure decode: True append to the DecodeBuffer, False rebuild it
     decode_pos: torch.Tensor | None = None   # [Bd] position of each decode token (for the buffer append)
+    decode_ctx: tuple[int, ...] = ()    # context length of each decode row (host ints, for window masks)
+    # NOTE: filled during the step, not by build_metadata: the backend learns a layer's window only in forward.
+    windows: dict[int, WindowMasks] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class WindowMasks:
+    """One sliding window's additive masks (0 / -inf) for one step."""
+
+    decode: torch.Tensor | None                  # [Bd, 1, 1, S] like decode_mask; None when there are no decodes
+    prefills: tuple[torch.Tensor | None, ...]    # per PrefillSeq, [n, context_len]; None: plain causal covers it
 
 
 def _write_indices(batch: StepBatch, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,6 +85,36 @@ def _decode_tensors(tables: list[list[int]], ctx: list[int], block_size: int, de
     # NOTE: additive float mask made once per step; a bool mask is converted by SDPA in every layer.
     mask = torch.zeros(valid.shape, dtype=dtype).masked_fill_(~valid, float("-inf"))           # [Bd, S]
     return padded.flatten().to(device), mask[:, None, None, :].to(device)
+
+
+def _windowed_decode_mask(mask: torch.Tensor, ctx: tuple[int, ...], window: int) -> torch.Tensor:
+    """`mask` `[Bd, 1, 1, S]` with each row's keys at positions < ctx - window hidden as well."""
+    if window >= max(ctx):
+        return mask
+    first = torch.tensor(ctx, device=mask.device) - window                           # [Bd] oldest visible key
+    old = torch.arange(mask.shape[-1], device=mask.device)[None, :] < first[:, None]  # [Bd, S]
+    return mask.masked_fill(old[:, None, None, :], float("-inf"))
+
+
+def _windowed_prefill_mask(seq: PrefillSeq, window: int, device: torch.device,
+                           dtype: torch.dtype) -> torch.Tensor | None:
+    """`[n, context_len]` causal + window mask of one multi-token sequence; its plain mask when the window reaches
+    back to position 0 for every query (window >= context_len)."""
+    if window >= seq.context_len:
+        return seq.mask
+    q_pos = torch.arange(seq.context_len - (seq.row_end - seq.row_start), seq.context_len, device=device)  # [n]
+    k_pos = torch.arange(seq.context_len, device=device)[None, :]                                    # [1, ctx]
+    visible = (k_pos <= q_pos[:, None]) & (k_pos > q_pos[:, None] - window)                           # [n, ctx]
+    return torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
+
+
+def _window_masks(meta: TorchPagedMetadata, window: int, device: torch.device, dtype: torch.dtype) -> WindowMasks:
+    if window not in meta.windows:
+        decode = None if meta.decode_mask is None else _windowed_decode_mask(meta.decode_mask, meta.decode_ctx,
+                                                                               window)
+        meta.windows[window] = WindowMasks(
+            decode, tuple(_windowed_prefill_mask(seq, window, device, dtype) for seq in meta.prefills))
+    return meta.windows[window]
 
 
 def _prefill_seq(row: int, start: int, n: int, table: list[int], block_size: int, device: torch.device,
@@ -114,26 +162,31 @@ class TorchPagedAttention(AttentionBackend):
             if prefills:
                 rows = torch.tensor(dec_rows, dtype=torch.int64, device=device)
         append = self.buffer.plan(None if prefills else batch.seqs, block_size)
-        meta = TorchPagedMetadata(blocks.to(device), offsets.to(device), rows, tables, mask, tuple(prefills))
+        meta = TorchPagedMetadata(blocks.to(device), offsets.to(device), rows, tables, mask, tuple(prefills),
+                                  decode_ctx=tuple(dec_ctx))
         if prefills:
             return meta
         pos = torch.tensor([s.start_pos for s in batch.seqs], dtype=torch.int64, device=device)   # [Bd]
         return dataclasses.replace(meta, buffer_append=append, decode_pos=pos)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                cache: tuple[torch.Tensor, torch.Tensor], meta: TorchPagedMetadata, scale: float) -> torch.Tensor:
+                cache: tuple[torch.Tensor, torch.Tensor], meta: TorchPagedMetadata, scale: float,
+                window: int | None = None) -> torch.Tensor:
         k_cache, v_cache = cache                               # each [num_blocks, bs, Hkv, D]
         k_cache[meta.write_blocks, meta.write_offsets] = k     # NOTE: write first: decodes read their own token
         v_cache[meta.write_blocks, meta.write_offsets] = v
+        masks = None if window is None else _window_masks(meta, window, q.device, q.dtype)
+        decode_mask = meta.decode_mask if masks is None else masks.decode
         if not meta.prefills:
             keys, values = self._buffered_kv(k, v, k_cache, v_cache, meta)
-            return _attend_decode(q, keys, values, meta.decode_mask, scale)
+            return _attend_decode(q, keys, values, decode_mask, scale)
         out = q.new_empty(q.shape)                             # [T, Hq, D]
-        for seq in meta.prefills:
-            out[seq.row_start:seq.row_end] = _prefill(q, k, v, k_cache, v_cache, seq, scale)
+        for i, seq in enumerate(meta.prefills):
+            mask = seq.mask if masks is None else masks.prefills[i]
+            out[seq.row_start:seq.row_end] = _prefill(q, k, v, k_cache, v_cache, seq, mask, scale)
         if meta.decode_rows is not None:
             out[meta.decode_rows] = _decode(q[meta.decode_rows], k_cache, v_cache,
-                                            meta.decode_tables, meta.decode_mask, scale)
+                                            meta.decode_tables, decode_mask, scale)
         return out
 
     def _buffered_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -178,7 +231,8 @@ def _attend_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ma
 
 
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             seq: PrefillSeq, scale: float) -> torch.Tensor:
+             seq: PrefillSeq, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """`mask` `[n, context_len]` additive, or None for a fresh prefill's plain causal attention."""
     rows = slice(seq.row_start, seq.row_end)
     queries = q[rows].transpose(0, 1).unsqueeze(0)                                  # [1, Hq, n, D]
     if seq.block_ids is None:
@@ -187,8 +241,8 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.T
         keys = k_cache.index_select(0, seq.block_ids).flatten(0, 1)[: seq.context_len]    # [ctx, Hkv, D]
         values = v_cache.index_select(0, seq.block_ids).flatten(0, 1)[: seq.context_len]
     keys, values = keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, D]
-    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=seq.mask,
-                                         is_causal=seq.mask is None, scale=scale, enable_gqa=True)
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask,
+                                         is_causal=mask is None, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)                                                   # [n, Hq, D]
 
 

@@ -22,7 +22,7 @@ class DecoderLayer(nn.Module):
                  moe_backend: str) -> None:
         super().__init__()
         self.input_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
-        self.attn = Attention(spec, dtype, device)
+        self.attn = Attention(spec, dtype, device, spec.layer_windows[index])
         self.post_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
         sparse = spec.moe is not None and index in spec.moe.sparse_layers
         self.mlp: nn.Module = SparseMoE(spec, dtype, device, moe_backend) if sparse else \

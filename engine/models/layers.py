@@ -79,13 +79,18 @@ class Linear(nn.Module):
 
 
 class Attention(nn.Module):
-    """Fused qkv projection, optional per-head q/k norm (Qwen3), RoPE, paged attention, output projection."""
+    """Fused qkv projection, optional per-head q/k norm (Qwen3), RoPE, paged attention, output projection.
 
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> None:
+    `window`: this layer's sliding window (`spec.layer_windows[i]`): the query at position p sees keys in
+    (p - window, p]; None is full causal attention."""
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
+                 window: int | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.q_size, self.kv_size = spec.q_size, spec.kv_size
         self.scale = spec.head_dim ** -0.5
+        self.window = window
         self.qkv = Linear(spec.hidden_size, spec.q_size + 2 * spec.kv_size, spec.qkv_bias, dtype, device)
         self.o = Linear(spec.q_size, spec.hidden_size, spec.o_bias, dtype, device)
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype, device) if spec.qk_norm else None
@@ -108,7 +113,7 @@ class Attention(nn.Module):
         if self.qk_norm_weight is not None:                               # q_norm and k_norm in one pass
             qk = rms_norm(qk, self.qk_norm_weight, self.q_norm.eps)
         qk = apply_rotary(qk, cos, sin)                                   # q and k rotated in one pass
-        out = backend.forward(qk[:, :hq], qk[:, hq:], v, cache, meta, self.scale)  # [T, Hq, D]
+        out = backend.forward(qk[:, :hq], qk[:, hq:], v, cache, meta, self.scale, window=self.window)  # [T,Hq,D]
         return self.o(out.reshape(tokens, self.q_size))                   # [T, H]
 
 

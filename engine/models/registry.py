@@ -9,6 +9,13 @@ from dataclasses import dataclass
 from typing import Literal
 
 MoEKind = Literal["none", "mixtral", "qwen_moe"]
+# Which layers slide, as each architecture's transformers config and modeling decide (see spec.parse_windows):
+#   none       no sliding window (Llama: transformers ignores a `sliding_window` field)
+#   all        every layer, when `sliding_window` is set (Mistral, Mixtral)
+#   all_gated  every layer, when `use_sliding_window` is also true (Qwen3-MoE)
+#   qwen2      `layer_types`, else layers i >= max_window_layers; gated by use_sliding_window (Qwen2, Qwen3)
+#   qwen2_moe  `layer_types`, else even layers i < max_window_layers; gated by use_sliding_window (Qwen2-MoE)
+SlidingKind = Literal["none", "all", "all_gated", "qwen2", "qwen2_moe"]
 
 
 @dataclass(frozen=True)
@@ -23,15 +30,18 @@ class ArchTraits:
     shared_expert: bool = False   # a dense shared expert behind a sigmoid gate (Qwen2-MoE)
     default_rope_theta: float = 10000.0
     default_rms_eps: float = 1e-6
+    sliding: SlidingKind = "none"
 
 
 ARCHITECTURES: dict[str, ArchTraits] = {
     "LlamaForCausalLM": ArchTraits("attention_bias", False, True, False, "none"),
-    "Qwen2ForCausalLM": ArchTraits(None, True, False, False, "none"),
-    "Qwen3ForCausalLM": ArchTraits("attention_bias", False, True, True, "none"),
-    "MixtralForCausalLM": ArchTraits(None, False, False, False, "mixtral", False, 1e6, 1e-5),
-    "Qwen2MoeForCausalLM": ArchTraits("qkv_bias", True, False, False, "qwen_moe", shared_expert=True),
-    "Qwen3MoeForCausalLM": ArchTraits("attention_bias", False, True, True, "qwen_moe"),
+    "MistralForCausalLM": ArchTraits(None, False, False, False, "none", sliding="all"),
+    "Qwen2ForCausalLM": ArchTraits(None, True, False, False, "none", sliding="qwen2"),
+    "Qwen3ForCausalLM": ArchTraits("attention_bias", False, True, True, "none", sliding="qwen2"),
+    "MixtralForCausalLM": ArchTraits(None, False, False, False, "mixtral", False, 1e6, 1e-5, sliding="all"),
+    "Qwen2MoeForCausalLM": ArchTraits("qkv_bias", True, False, False, "qwen_moe", shared_expert=True,
+                                      sliding="qwen2_moe"),
+    "Qwen3MoeForCausalLM": ArchTraits("attention_bias", False, True, True, "qwen_moe", sliding="all_gated"),
 }
 
 

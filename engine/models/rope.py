@@ -3,15 +3,31 @@
 The table is indexed by absolute position once per step (shared by every layer), so the hot path does one
 gather and two multiply-adds per q/k tensor.
 
+Dynamic NTK is computed per sequence, never from what other requests did. transformers rebuilds the frequencies
+at every forward from that forward's `max(position) + 1`: generate's one prompt forward rotates every prompt
+token with the base for the prompt length L, and each one-token decode forward rotates its token at p with the
+base for p + 1. Strata gives the token at position p of a sequence the length `max(L, p + 1)`, whichever step
+computes it (one prefill, a chunk, the tail after a prefix-cache hit, a recompute after preemption):
+
+    position  0 ................ L-1 | L     L+1   ...
+    length    L ................ L   | L+1   L+2   ...      (lengths <= max_position_embeddings: default RoPE)
+
+so chunked and prefix-cached prefills equal transformers' single-forward prefill. L comes from the scheduled
+sequence's `prompt_len`; without it, from the step (`start_pos + len(token_ids)`, exact when the prompt is
+computed in one step: see `ntk_floor`). The KV of a prompt longer than max_position_embeddings then depends on
+L, which is why the prefix cache must key such blocks by L (`ModelSpec.prefix_cache_salt`).
+
     rotate_half(x) * sin  ==  swap_halves(x) * signed_sin      (exactly: negation is exact in floating point)
     x = | x1 | x2 |   swap_halves(x) = | x2 | x1 |   signed_sin = | -sin1 | sin2 |
 """
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import torch
 
+from engine.batch import ScheduledSeq
 from engine.models.spec import RopeSpec
 
 
@@ -67,10 +83,26 @@ def _yarn(rope: RopeSpec, dim: int, max_pos: int) -> tuple[torch.Tensor, float]:
 
 def _dynamic(rope: RopeSpec, dim: int, max_pos: int, seq_len: int) -> torch.Tensor:
     # NOTE: within max_position_embeddings dynamic NTK equals the default RoPE (as in transformers); past it the
-    # base grows with the table length, i.e. with the longest sequence served so far.
+    # base grows with the sequence length (see the module docstring for whose length).
     factor, seq_len = rope.get("factor"), max(seq_len, max_pos)
     base = rope.theta * ((factor * seq_len / max_pos) - (factor - 1)) ** (dim / (dim - 2))
     return _base_inv_freq(base, dim)
+
+
+def _dynamic_per_token(rope: RopeSpec, dim: int, max_pos: int, lengths: torch.Tensor) -> torch.Tensor:
+    """Inverse frequencies `[T, dim/2]` for int64 `lengths [T]`, in transformers' float32 tensor arithmetic (its
+    generate passes the length as a tensor), so the tokens match its rotation to the last bit where it can."""
+    factor, lengths = rope.get("factor"), lengths.clamp(min=max_pos)
+    base = rope.theta * ((factor * lengths / max_pos) - (factor - 1)) ** (dim / (dim - 2))         # [T] float32
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=lengths.device).float() / dim    # [dim/2]
+    return 1.0 / (base[:, None] ** exponents[None, :])                                           # [T, dim/2]
+
+
+def ntk_floor(seq: ScheduledSeq) -> int:
+    """L of the module docstring: the length every token of `seq` at a position below it is rotated for."""
+    # NOTE: `prompt_len` is read only if the scheduler provides it (ScheduledSeq.prompt_len, to be added by the
+    # batch's owner); until then a prompt split over several steps is exact only up to max_position_embeddings.
+    return getattr(seq, "prompt_len", 0) or seq.start_pos + len(seq.token_ids)
 
 
 def inv_freq_and_scale(rope: RopeSpec, dim: int, max_pos: int, seq_len: int) -> tuple[torch.Tensor, float]:
@@ -87,17 +119,22 @@ def inv_freq_and_scale(rope: RopeSpec, dim: int, max_pos: int, seq_len: int) -> 
 
 
 class RotaryTable:
-    """cos/sin for positions `[0, length)`, grown on demand (doubling) when a step reaches past the end."""
+    """cos/sin for positions `[0, length)`, grown on demand (doubling) when a step reaches past the end.
+
+    For dynamic NTK the table holds the default (base theta) rotation, which every token whose length is within
+    max_position_embeddings uses; `lookup_dynamic` computes the others per token."""
 
     def __init__(self, rope: RopeSpec, head_dim: int, max_pos: int, device: torch.device,
                  dtype: torch.dtype, initial_length: int = 4096) -> None:
         self.rope, self.head_dim, self.max_pos = rope, head_dim, max_pos
         self.device, self.dtype = device, dtype
+        self.dynamic = rope.rope_type == "dynamic"
         self.length = 0
         self._build(min(max(initial_length, 1), max_pos))
 
     def _build(self, length: int) -> None:
-        inv_freq, scale = inv_freq_and_scale(self.rope, self.head_dim, self.max_pos, length)
+        # seq_len = max_pos: the table never depends on how long any sequence has grown (only dynamic reads it)
+        inv_freq, scale = inv_freq_and_scale(self.rope, self.head_dim, self.max_pos, self.max_pos)
         pos = torch.arange(length, dtype=torch.int64).float()
         freqs = pos[:, None] * inv_freq[None, :]                          # [length, dim/2]
         emb = torch.cat((freqs, freqs), dim=-1)                           # [length, dim]
@@ -118,6 +155,36 @@ class RotaryTable:
     def lookup_signed(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, signed_sin `[tokens, 1, head_dim]` for `apply_rotary` (call `ensure` first)."""
         return self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
+
+    def lookup_dynamic(self, positions: torch.Tensor,
+                       seqs: Sequence[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed_sin `[tokens, 1, head_dim]` of dynamic NTK for the flat `positions` of `seqs` (in order), each
+        token rotated for its own sequence's length (module docstring)."""
+        floors = [ntk_floor(s) for s in seqs]
+        longest = max(max(f, s.start_pos + len(s.token_ids)) for f, s in zip(floors, seqs))
+        self.ensure(min(longest, self.max_pos))
+        if longest <= self.max_pos:
+            return self.lookup_signed(positions)                       # the common case: no token is scaled
+        counts = torch.tensor([len(s.token_ids) for s in seqs])
+        floor = torch.repeat_interleave(torch.tensor(floors), counts).to(positions.device)      # [T]
+        lengths = torch.maximum(floor, positions + 1)                                           # [T]
+        cos, signed_sin = self._rotation(positions, _dynamic_per_token(self.rope, self.head_dim, self.max_pos,
+                                                                       lengths))
+        # NOTE: unscaled tokens keep the table's values exactly, so a short request's tokens do not depend on
+        # whether a long one shares its step.
+        scaled = (lengths > self.max_pos)[:, None]                                              # [T, 1]
+        table = positions.clamp(max=self.length - 1)
+        cos = torch.where(scaled, cos, self.cos[table])                                         # [T, D]
+        signed_sin = torch.where(scaled, signed_sin, self.signed_sin[table])
+        return cos.unsqueeze(1), signed_sin.unsqueeze(1)
+
+    def _rotation(self, positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed_sin `[T, D]` for `positions [T]` with per-token `inv_freq [T, D/2]` (as `_build`)."""
+        freqs = positions.float()[:, None] * inv_freq                                           # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)                                                 # [T, D]
+        sin, half = emb.sin(), self.head_dim // 2
+        signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)                         # [T, D]
+        return emb.cos().to(self.dtype), signed_sin.to(self.dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """`ModelSpec`: the hyperparameters of a checkpoint, parsed and validated once from config.json.
 
 Accepts both the current `rope_parameters` form and the older `rope_theta` + `rope_scaling` form, and both
-spellings of the expert count (`num_experts`, `num_local_experts`).
+spellings of the expert count (`num_experts`, `num_local_experts`). Sliding windows are resolved per layer here, the
+way each architecture's transformers config does it, so nothing downstream reads config.json again.
 """
 from __future__ import annotations
 
@@ -53,6 +54,7 @@ class ModelSpec:
     mlp_bias: bool
     qk_norm: bool
     moe: MoESpec | None
+    layer_windows: tuple[int | None, ...]  # per layer: keys in (p - window, p] are visible; None: full attention
 
     @property
     def q_size(self) -> int:
@@ -61,6 +63,14 @@ class ModelSpec:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def prefix_cache_salt(self, prompt_len: int) -> str:
+        """What a prompt's block hashes must also cover (a namespace `cache_salt`) for its cached KV to be what
+        this request computes: "" unless dynamic NTK rotates the prompt for its own length L > max_position_embeddings
+        (rope.py), whose blocks may serve only prompts of that same L. Bookkeeping only (no tensors)."""
+        if self.rope.rope_type != "dynamic" or prompt_len <= self.max_position_embeddings:
+            return ""
+        return f"dynamic-ntk-prompt-len={prompt_len}"
 
 
 def _field(config: dict[str, Any], key: str, source: str, default: Any = None) -> Any:
@@ -125,8 +135,67 @@ def parse_moe(config: dict[str, Any], traits: ArchTraits, num_layers: int, sourc
 def _check_supported_features(config: dict[str, Any], source: str) -> None:
     if config.get("hidden_act", "silu") != "silu":
         raise ConfigFieldError(f"{source}: hidden_act {config.get('hidden_act')!r} is not supported; expected 'silu'")
-    if config.get("use_sliding_window", False):
-        raise ConfigFieldError(f"{source}: use_sliding_window=true is not supported (full attention only)")
+
+
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _window_size(config: dict[str, Any], traits: ArchTraits, source: str) -> int | None:
+    """The window every sliding layer uses, or None when the model has none (as transformers' config resolves it:
+    the Qwen families ignore `sliding_window` unless `use_sliding_window` is true)."""
+    gated = traits.sliding not in ("none", "all")
+    if traits.sliding == "none" or (gated and not config.get("use_sliding_window", False)):
+        return None
+    window = config.get("sliding_window")
+    if window is None and not gated:
+        return None
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        need = "use_sliding_window=true needs 'sliding_window' to be" if gated else \
+            "field 'sliding_window' must be null (full attention) or"
+        raise ConfigFieldError(f"{source}: {need} a positive integer, got {window!r}")
+    return window
+
+
+def _qwen_sliding_layers(config: dict[str, Any], traits: ArchTraits, num_layers: int, source: str) -> list[bool]:
+    """Qwen2/Qwen3/Qwen2-MoE: `layer_types` when given, else the rule each transformers config derives it by."""
+    types = config.get("layer_types")
+    if types is not None:
+        if len(types) != num_layers or any(t not in _LAYER_TYPES for t in types):
+            raise ConfigFieldError(f"{source}: field 'layer_types' must list {num_layers} entries, each one of "
+                                   f"{list(_LAYER_TYPES)}; got {types!r}")
+        return [t == "sliding_attention" for t in types]
+    first_full = config.get("max_window_layers")
+    first_full = 28 if first_full is None else first_full           # transformers' default
+    if traits.sliding == "qwen2":
+        return [i >= first_full for i in range(num_layers)]
+    return [i % 2 == 0 and i < first_full for i in range(num_layers)]   # qwen2_moe
+
+
+def _check_all_sliding(config: dict[str, Any], source: str) -> None:
+    types = config.get("layer_types")
+    if types is not None and any(t != "sliding_attention" for t in types):
+        # NOTE: transformers' modeling for these architectures ignores layer_types and slides every layer; a
+        # config asking for full layers is meant for another model class, so refuse it rather than guess.
+        raise ConfigFieldError(f"{source}: field 'layer_types' with full-attention layers is not supported for "
+                               f"this architecture (every layer uses 'sliding_window'); got {types!r}")
+
+
+def parse_windows(config: dict[str, Any], traits: ArchTraits, num_layers: int,
+                  source: str) -> tuple[int | None, ...]:
+    """Each layer's attention window (None: full attention)."""
+    full: tuple[int | None, ...] = (None,) * num_layers
+    window = _window_size(config, traits, source)
+    if traits.sliding in ("qwen2", "qwen2_moe"):
+        sliding = _qwen_sliding_layers(config, traits, num_layers, source)
+        if window is None and any(sliding) and config.get("layer_types") is not None:
+            # transformers fails here too (a sliding layer without a window); full attention would be a guess
+            raise ConfigFieldError(f"{source}: field 'layer_types' names sliding_attention layers but the sliding "
+                                   f"window is off (use_sliding_window / sliding_window)")
+        return full if window is None else tuple(window if slides else None for slides in sliding)
+    if window is None:
+        return full
+    _check_all_sliding(config, source)
+    return (window,) * num_layers
 
 
 def architecture_of(config: dict[str, Any], source: str) -> str:
@@ -152,6 +221,7 @@ def parse_spec(config: dict[str, Any], source: str = "config.json") -> ModelSpec
         raise ConfigFieldError(f"{source}: num_attention_heads={heads} must be a multiple of "
                                f"num_key_value_heads={kv_heads}")
     layers = _positive_int(config, "num_hidden_layers", source)
+    windows = parse_windows(config, traits, layers, source)
     qkv_bias = bool(config.get(traits.qkv_bias_key, traits.qkv_bias_default)) if traits.qkv_bias_key \
         else traits.qkv_bias_default
     return ModelSpec(
@@ -164,4 +234,5 @@ def parse_spec(config: dict[str, Any], source: str = "config.json") -> ModelSpec
         max_position_embeddings=_positive_int(config, "max_position_embeddings", source, 4096),
         rope=parse_rope(config, traits, source), qkv_bias=qkv_bias,
         o_bias=qkv_bias and traits.o_bias_follows_qkv, mlp_bias=bool(config.get("mlp_bias", False)),
-        qk_norm=traits.qk_norm, moe=parse_moe(config, traits, layers, source))
+        qk_norm=traits.qk_norm, moe=parse_moe(config, traits, layers, source),
+        layer_windows=windows)
