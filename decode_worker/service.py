@@ -4,7 +4,10 @@
               worker (in the background) -> engine thread: install + add request + first token as output
               -> stream the tokens after the first
     Generate: conditional disaggregation: load cached prefix blocks, prefill here, stream every token
-A client that cancels (or whose deadline passes) aborts the request on the engine thread, freeing its blocks.
+A client that cancels (or whose deadline passes) aborts the request on the engine thread, freeing its blocks; an
+Abort ends its stream with FINISH_REASON_ABORT. A request this worker fails (the engine step or the output handling
+raised, admission broke, the worker shut down) ends its stream with an error status (INTERNAL, UNAVAILABLE), never
+a finish reason. A hand-off that breaks in an unexpected way is recomputed, like one that cannot be read.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from worker_common.admission import admit
 from worker_common.config import WorkerConfig
 from worker_common.convert import (InvalidArgument, check_handle, check_prompt, check_vocab, logprobs_to_proto,
                                    sampling_from_proto)
+from worker_common.engine_loop import failure_of
 from worker_common.engine_setup import EngineBundle
 from worker_common.kv_blocks import cacheable_blocks, load_prefix, store_computed_blocks
 from worker_common.server import GRPC_OPTIONS, WorkerBase
@@ -63,7 +67,7 @@ class DecodeService(WorkerBase):
             num_blocks = min(len(request.kv.block_hashes),
                              cacheable_blocks(len(prompt) + 1, self.bundle.block_size))
             with self._pull_lock:
-                pulled = self.puller.pull(request.kv, num_blocks, prompt)
+                pulled = self._pull(request.kv, num_blocks, prompt)
             self._release_async(request.kv)
             hashes = list(request.kv.block_hashes[:len(pulled.payloads)])
             # NOTE: the prompt's logprobs came with the first token from the prefill worker: not computed again
@@ -81,6 +85,16 @@ class DecodeService(WorkerBase):
                                     request.cached_tokens, blocks, pulled.reason)
         finally:
             self.unclaim(request.request_id)
+
+    def _pull(self, kv: common_pb2.KvHandle, num_blocks: int, prompt: list[int]) -> PullResult:
+        """The handle's blocks; none (the engine recomputes them all) when the pull itself breaks."""
+        started = time.perf_counter()
+        try:
+            return self.puller.pull(kv, num_blocks, prompt)
+        except Exception as exc:  # noqa: BLE001 - KV that could not be had is recomputed, never guessed
+            log.exception("pulling the KV hand-off failed; recomputing it")
+            return PullResult([], 0, 0, 0, f"pull failed: {type(exc).__name__}: {exc}",
+                              time.perf_counter() - started)
 
     def _check_handle(self, kv: common_pb2.KvHandle, prompt: list[int], fingerprint: bytes, context) -> None:
         try:
@@ -187,6 +201,9 @@ class DecodeService(WorkerBase):
                                                      fingerprint, hashes, payloads, first_token, tail)).result()
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except Exception as exc:  # noqa: BLE001 - installing the KV or adding the request broke: this worker's fault
+            log.exception("admitting %s failed", request_id)
+            self.fail_call(context, failure_of("admission failed", exc))
         context.add_callback(lambda: self.loop.abort(request_id, "client cancelled"))
         return installed
 
@@ -207,6 +224,8 @@ class DecodeService(WorkerBase):
                 prompt_tokens: int, cached_tokens: int | None, blocks: dict | None, reason: str,
                 load_s: float) -> Iterator[worker_pb2.TokenChunk]:
         for event in wait_events(tracked, context):
+            if event.failure is not None:
+                self.fail_call(context, event.failure)
             chunk = worker_pb2.TokenChunk(request_id=request_id, token_ids=event.token_ids, text_delta=event.text,
                                           logprobs=[logprobs_to_proto(e) for e in event.logprobs],
                                           prompt_logprobs=[logprobs_to_proto(e) for e in event.prompt_logprobs])

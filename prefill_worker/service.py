@@ -3,10 +3,15 @@
     Prefill: validate -> load cached prefix blocks (device, else store) -> engine thread: install + add request
              (max_tokens=1, chunked prefill by the scheduler) -> first token -> export blocks under a lease
              -> PrefillResponse(first token, text delta, KvHandle, timings)
+
+A Prefill the client aborted answers FINISH_REASON_ABORT; one this worker failed (the engine step, the output
+handling or the export raised, or the worker shut down) answers an error status (INTERNAL, UNAVAILABLE), never a
+finish reason.
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from typing import Sequence
@@ -23,7 +28,7 @@ from worker_common.admission import admit
 from worker_common.config import WorkerConfig
 from worker_common.convert import (InvalidArgument, check_prompt, check_vocab, logprobs_to_proto,
                                    sampling_from_proto, stop_reason_fields)
-from worker_common.engine_loop import Tracked
+from worker_common.engine_loop import Failure, Tracked, failure_of
 from worker_common.engine_setup import EngineBundle
 from worker_common.handoff_pool import HandoffPool
 from worker_common.kv_blocks import cacheable_blocks, load_prefix, slot_bytes
@@ -32,6 +37,7 @@ from worker_common.server import WorkerBase
 from worker_common.streaming import ms
 from worker_common.text_stream import TextStream, engine_params
 
+log = logging.getLogger(__name__)
 _WAIT_S = 0.1
 
 
@@ -47,9 +53,12 @@ class PrefillJob(Tracked):
         self.done = threading.Event()
         self.response: worker_pb2.PrefillResponse | None = None
         self.abort_reason = ""
+        self.failure: Failure | None = None
         self.first_output_at: float | None = None
 
     def on_output(self, output: RequestOutput, now: float) -> bool:
+        if not output.new_token_ids:
+            return False  # a prompt chunk whose prompt logprobs were recorded: the first token comes later
         self.first_output_at = now
         token = output.new_token_ids[-1]
         engine_stop = output.finish_reason == "stop"
@@ -79,6 +88,10 @@ class PrefillJob(Tracked):
 
     def on_abort(self, reason: str) -> None:
         self.abort_reason = reason
+        self.done.set()
+
+    def on_fail(self, failure: Failure) -> None:
+        self.failure = failure
         self.done.set()
 
 
@@ -119,12 +132,17 @@ class PrefillService(WorkerBase):
                                          cacheable, payloads)).result()
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except Exception as exc:  # noqa: BLE001 - installing the loaded blocks failed: this worker's fault
+            log.exception("admitting %s failed", job.request_id)
+            self.fail_call(context, failure_of("admission failed", exc))
         context.add_callback(lambda: self.loop.abort(job.request_id, "client cancelled"))
         while not job.done.wait(_WAIT_S):
             if not context.is_active():
                 self.loop.abort(job.request_id, "client gone")  # NOTE: idempotent with the cancel callback
                 return worker_pb2.PrefillResponse()
-        if job.response is None:
+        if job.failure is not None:
+            self.fail_call(context, job.failure)
+        if job.response is None:  # its client aborted it
             return worker_pb2.PrefillResponse(request_id=job.request_id, worker_id=self.worker_id,
                                               finish_reason=common_pb2.FINISH_REASON_ABORT)
         if job.response.kv.lease_id and not context.is_active():

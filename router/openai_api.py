@@ -5,11 +5,15 @@
 
 Requests go through `router.openai_request` (400 naming the field, OpenAI's error body) and the same `Dispatcher` as
 gRPC; `router.openai_responses` shapes the answers. A client that disconnects mid-stream cancels the request on every worker.
+A request that fails (no worker could serve it, or the router broke) is never a finished choice: an HTTP 4xx/5xx with
+OpenAI's error body, or, once a stream has started, a last `data: {"error": {...}}` event (which the `openai` client
+raises as `APIError`) before `[DONE]`.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from dataclasses import replace
@@ -31,6 +35,7 @@ from router.validation import ApiError, GenerateParams
 from strata.cache_metrics import CacheTierCollector, Snapshot
 from strata.v1 import common_pb2
 
+log = logging.getLogger(__name__)
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
@@ -204,8 +209,11 @@ def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: Router
             for run in runs:
                 run.cancel()
             api = next((e for e in errors if isinstance(e, ApiError)), None)
-            if api is None:
-                raise errors[0]
+            if api is None and not isinstance(errors[0], Exception):
+                raise errors[0]  # cancelled: nobody is waiting for an answer
+            if api is None:  # NOTE: the router's own failure gets OpenAI's error body too, not a bare 500
+                log.error("request %s failed in the router", params.request_id, exc_info=errors[0])
+                api = ApiError(grpc.StatusCode.INTERNAL, f"internal: {errors[0]}")
             return error_response(api)
         choices = [choice._replace(text=(run.params.prompt_text or "") + choice.text) if options.echo else choice
                    for run, (choice, _) in zip(runs, results)]

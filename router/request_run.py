@@ -3,7 +3,9 @@
     disaggregated:  Prefill(p) ─first token─> client;  Decode(d, KvHandle) ─tokens─> client
     local:          Generate(d) ─tokens─> client                          (conditional disaggregation)
 
-A step that fails (worker gone, UNAVAILABLE, RESOURCE_EXHAUSTED) is retried on another worker. Every request runs
+A step that fails (worker gone, UNAVAILABLE, RESOURCE_EXHAUSTED, INTERNAL) is retried on another worker; when no
+attempt is left (or no other worker), the client gets an error status, INTERNAL when the last worker failed the
+request itself, else UNAVAILABLE: a failed request never ends with a finish reason. Every request runs
 with a seed (drawn by validation when the caller set none), so a retry reproduces the same tokens: a retry after
 tokens reached the client reruns the request with `Generate` on another decode worker and forwards only what the
 client does not have yet:
@@ -39,7 +41,9 @@ log = logging.getLogger(__name__)
 
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL,
               grpc.StatusCode.UNKNOWN, grpc.StatusCode.ABORTED}
-_GONE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
+# NOTE: not INTERNAL: a worker that answers INTERNAL is alive and failed one request (a request that breaks every
+# worker it meets must not take them all out of routing).
+_GONE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN}
 _ABORT_GRACE_S = 2.0
 UNSET = common_pb2.FINISH_REASON_UNSPECIFIED
 
@@ -140,9 +144,9 @@ class RequestRun:
 
     def _attempts(self) -> Iterator[strata_pb2.GenerateResponse]:
         excluded: set[str] = set()
-        last_error = "no attempt made"
+        last: StepFailed | None = None
         for _ in range(self.d.config.max_attempts):
-            decision = self.d.route(self, excluded)
+            decision = self._route(excluded, last)
             self.route = "disaggregated" if decision.disaggregated else "local"
             try:
                 if decision.disaggregated and not self.progress.token_ids:
@@ -161,11 +165,19 @@ class RequestRun:
                 excluded.add(failed.worker_id)
                 if failed.code in _GONE:
                     self.d.registry.report_failure(failed.worker_id, str(failed))
-                last_error = str(failed)
+                last = failed
                 self.retries += 1
                 log.warning("request %s: step failed (%s); retrying on another worker", self.request_id, failed)
-        raise ApiError(grpc.StatusCode.UNAVAILABLE,
-                       f"request failed on {self.d.config.max_attempts} workers; last error: {last_error}")
+        raise _failed(f"request failed on {self.d.config.max_attempts} workers", last)
+
+    def _route(self, excluded: set[str], last: StepFailed | None) -> RouteDecision:
+        """The next worker(s) to try; after a failed step, no worker left is that step's failure."""
+        try:
+            return self.d.route(self, excluded)
+        except ApiError as exc:
+            if last is None or exc.code != grpc.StatusCode.UNAVAILABLE:
+                raise
+            raise _failed(exc.message, last) from None
 
     def _disaggregated(self, decision: RouteDecision) -> Iterator[strata_pb2.GenerateResponse]:
         p, d = decision.prefill_worker, decision.decode_worker
@@ -327,6 +339,13 @@ class RequestRun:
         if code in _RETRYABLE:
             return StepFailed(worker_id, code, detail)
         return ApiError(code, detail)
+
+
+def _failed(what: str, last: StepFailed | None) -> ApiError:
+    """The error status of a request no worker could serve: INTERNAL when the last one failed it, else UNAVAILABLE."""
+    code = grpc.StatusCode.INTERNAL if last is not None and last.code == grpc.StatusCode.INTERNAL \
+        else grpc.StatusCode.UNAVAILABLE
+    return ApiError(code, f"{what}; last error: {last if last is not None else 'no attempt made'}")
 
 
 class _Aborted(ApiError):

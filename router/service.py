@@ -103,6 +103,10 @@ class StrataService(strata_pb2_grpc.StrataServicer):
         except ApiError as exc:
             if context.is_active():
                 _abort_with(context, exc)
+        except Exception as exc:  # noqa: BLE001 - the router's own failure is INTERNAL, never a finished stream
+            log.exception("request %s failed in the router", request.request_id)
+            if context.is_active():
+                _abort_with(context, ApiError(grpc.StatusCode.INTERNAL, f"internal: {exc}"))
 
     def Abort(self, request: strata_pb2.AbortRequest, context) -> strata_pb2.AbortResponse:
         try:

@@ -9,6 +9,11 @@ can overwrite a freed block).
 
 After each step (before its outputs fan out) and each batch of commands, the loop publishes the device tier's
 buffered KV events (`events.flush()`) and refreshes the load snapshot (`load.snapshot`, read by Stats/heartbeats).
+
+A request leaves the loop one of three ways, and its sink hears which: finished (`on_output` with a finished output),
+ended by its client (`on_abort`: Abort, cancel, client gone; the client sees finish reason "abort"), or failed by the
+worker (`on_fail`: the engine step or its output handler raised, the worker is shutting down; the client must see an
+error status, never a finish reason).
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, NamedTuple, TypeVar
 
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
@@ -27,6 +32,22 @@ from worker_common.load import LoadTracker, computed_tokens
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _IDLE_WAIT_S = 0.05
+
+
+class Failure(NamedTuple):
+    """Why the worker, not the client, ended a request. `retryable`: the worker is going away and another one may
+    serve the request (gRPC UNAVAILABLE); otherwise the worker failed it (INTERNAL)."""
+
+    reason: str                 # "engine step failed", "worker error while handling output", ...
+    detail: str = ""            # the exception, when there was one
+    retryable: bool = False
+
+    def __str__(self) -> str:
+        return f"{self.reason}: {self.detail}" if self.detail else self.reason
+
+
+def failure_of(reason: str, exc: BaseException) -> Failure:
+    return Failure(reason, f"{type(exc).__name__}: {exc}")
 
 
 class Tracked:
@@ -49,7 +70,12 @@ class Tracked:
         return False
 
     def on_abort(self, reason: str) -> None:
-        """The request was removed before finishing (Abort, client gone, engine failure)."""
+        """Its client ended the request before it finished (Abort, cancel, client gone)."""
+
+    def on_fail(self, failure: Failure) -> None:
+        """The worker could not finish the request. The gRPC sinks answer with an error status; this default ends
+        the request like an abort, so that a sink knowing no failures is never left waiting."""
+        self.on_abort(failure.reason)
 
 
 class EngineLoop:
@@ -89,7 +115,7 @@ class EngineLoop:
         return future
 
     def abort(self, request_id: str, reason: str) -> Future:
-        """End a request (idempotent); the future's result says whether it was in flight."""
+        """End a request at its client's wish (idempotent); the future's result says whether it was in flight."""
         return self.post(lambda: self._abort(request_id, reason))
 
     @property
@@ -102,13 +128,23 @@ class EngineLoop:
         self._tracked[tracked.request.request_id] = tracked
 
     def _abort(self, request_id: str, reason: str) -> bool:
+        tracked = self._remove(request_id)
+        if tracked is not None:
+            tracked.on_abort(reason)
+        return tracked is not None
+
+    def _fail(self, request_id: str, failure: Failure) -> None:
+        tracked = self._remove(request_id)
+        if tracked is not None:
+            tracked.on_fail(failure)
+
+    def _remove(self, request_id: str) -> Tracked | None:
+        """Out of the engine and the loop, its pins released; the sink it had, if any."""
         tracked = self._tracked.pop(request_id, None)
         self.engine.abort(request_id)
-        if tracked is None:
-            return False
-        self._release(tracked)
-        tracked.on_abort(reason)
-        return True
+        if tracked is not None:
+            self._release(tracked)
+        return tracked
 
     def _release(self, tracked: Tracked) -> None:
         if tracked.pinned:
@@ -121,7 +157,7 @@ class EngineLoop:
             if self.engine.has_unfinished() and not self._stopping.is_set():
                 self._step()
         for request_id in list(self._tracked):
-            self._abort(request_id, "worker shutting down")
+            self._fail(request_id, Failure("worker shutting down", retryable=True))
 
     def _drain(self, block: bool) -> None:
         ran = False
@@ -150,10 +186,10 @@ class EngineLoop:
         started = time.perf_counter()
         try:
             outputs = self.engine.step()
-        except Exception:  # noqa: BLE001 - fail the requests, keep the worker serving
-            log.exception("engine step failed; aborting every in-flight request")
+        except Exception as exc:  # noqa: BLE001 - fail the requests, keep the worker serving
+            log.exception("engine step failed; failing every in-flight request")
             for request_id in list(self._tracked):
-                self._abort(request_id, "engine step failed")
+                self._fail(request_id, failure_of("engine step failed", exc))
             self._after_change()
             return
         self.num_steps += 1
@@ -171,9 +207,9 @@ class EngineLoop:
                 continue
             try:
                 end_now = tracked.on_output(output, now)
-            except Exception:  # noqa: BLE001 - one request's sink must not stop the loop
+            except Exception as exc:  # noqa: BLE001 - one request's sink must not stop the loop
                 log.exception("output handler of %s failed", output.request_id)
-                self._abort(output.request_id, "worker error while handling output")
+                self._fail(output.request_id, failure_of("worker error while handling output", exc))
                 continue
             if output.finished or end_now:
                 if not output.finished:

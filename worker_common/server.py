@@ -16,7 +16,7 @@ import threading
 import time
 from concurrent import futures
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NoReturn
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -29,7 +29,7 @@ from worker_common.cache_admin import CacheAdmin
 from worker_common.cache_stats import cache_stats
 from worker_common.config import WorkerConfig
 from worker_common.convert import InvalidArgument
-from worker_common.engine_loop import EngineLoop, Tracked
+from worker_common.engine_loop import EngineLoop, Failure, Tracked
 from worker_common.engine_setup import EngineBundle, build_engine
 from worker_common.kv_events import WorkerEvents
 from worker_common.registration import RouterLink, advertised
@@ -80,6 +80,12 @@ class WorkerBase(worker_pb2_grpc.WorkerServicer):
     def unclaim(self, request_id: str) -> None:
         with self._inflight_lock:
             self._inflight.pop(request_id, None)
+
+    def fail_call(self, context: grpc.ServicerContext, failure: Failure) -> NoReturn:
+        """End a call whose request this worker failed with an error status, never a finish reason: UNAVAILABLE when
+        another worker may serve it (the router retries there), else INTERNAL."""
+        code = grpc.StatusCode.UNAVAILABLE if failure.retryable else grpc.StatusCode.INTERNAL
+        context.abort(code, f"worker {self.worker_id}: {failure}")
 
     def Abort(self, request: worker_pb2.WorkerAbortRequest, context) -> worker_pb2.WorkerAbortResponse:
         with self._inflight_lock:

@@ -11,7 +11,7 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from strata.v1 import common_pb2
 from worker_common.convert import FINISH_REASONS, stop_reason_fields
-from worker_common.engine_loop import Tracked
+from worker_common.engine_loop import Failure, Tracked
 from worker_common.text_stream import TextStream
 
 _POLL_S = 0.1
@@ -27,6 +27,7 @@ class StreamEvent(NamedTuple):
     error: str = ""
     logprobs: tuple = ()         # engine.outputs.TokenLogprobs per token, when the request asked for them
     prompt_logprobs: tuple = ()  # TokenLogprobs per prompt token after the first: the first event that has them
+    failure: Failure | None = None  # the worker failed the request: the last event, answered with an error status
 
 
 class StreamingRequest(Tracked):
@@ -42,6 +43,8 @@ class StreamingRequest(Tracked):
         self._prompt_logprobs_sent = False
 
     def on_output(self, output: RequestOutput, now: float) -> bool:
+        if not output.new_token_ids and not output.finished:
+            return False  # a prompt chunk whose prompt logprobs were recorded: they come with the first token
         self.first_output_at = self.first_output_at or now
         self.last_output_at = now
         delta = self.text.push(output.new_token_ids, output.finished)
@@ -55,9 +58,9 @@ class StreamingRequest(Tracked):
         if reason != common_pb2.FINISH_REASON_UNSPECIFIED and self.on_finish is not None:
             self.on_finish(self)  # NOTE: before the event: the stream's end means the blocks are stored
         prompt_logprobs = ()
-        if output.prompt_logprobs and not self._prompt_logprobs_sent:
+        if not self._prompt_logprobs_sent and output.prompt_logprobs:  # NOTE: read once, not every step
             prompt_logprobs, self._prompt_logprobs_sent = tuple(output.prompt_logprobs[1:]), True
-        self.events.put(StreamEvent(list(output.new_token_ids), delta.text, reason, stop, len(output.token_ids),
+        self.events.put(StreamEvent(list(output.new_token_ids), delta.text, reason, stop, output.completion_tokens,
                                     output.num_cached_tokens, "", tuple(output.new_logprobs or ()), prompt_logprobs))
         return delta.stop_str is not None
 
@@ -65,9 +68,15 @@ class StreamingRequest(Tracked):
         outputs = self.request.num_output_tokens if self.request is not None else 0
         self.events.put(StreamEvent([], "", common_pb2.FINISH_REASON_ABORT, {}, outputs, 0, reason))
 
+    def on_fail(self, failure: Failure) -> None:
+        outputs = self.request.num_output_tokens if self.request is not None else 0
+        self.events.put(StreamEvent([], "", common_pb2.FINISH_REASON_UNSPECIFIED, {}, outputs, 0, str(failure),
+                                    failure=failure))
+
 
 def wait_events(tracked: StreamingRequest, context: grpc.ServicerContext) -> Iterator[StreamEvent]:
-    """Events until the last one; stops early (the caller aborts the request) once the client is gone."""
+    """Events until the last one (finished, aborted or failed); stops early (the caller aborts the request) once
+    the client is gone."""
     while True:
         try:
             event = tracked.events.get(timeout=_POLL_S)
@@ -76,7 +85,7 @@ def wait_events(tracked: StreamingRequest, context: grpc.ServicerContext) -> Ite
                 return
             continue
         yield event
-        if event.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+        if event.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED or event.failure is not None:
             return
 
 
