@@ -22,7 +22,8 @@ class ModelConfig:
     device: str = "cpu"
     dtype: str = "float32"
     seed: int = 0
-    enforce_eager: bool = False     # True: never compile the decode step (vLLM's --enforce-eager)
+    enforce_eager: bool | None = None   # True: never compile the decode step (vLLM's --enforce-eager); None:
+                                        # compile unless STRATA_ENFORCE_EAGER=1
 
     def __post_init__(self) -> None:
         _require(bool(self.path), "model path must be a non-empty folder path")

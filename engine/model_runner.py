@@ -5,10 +5,13 @@ layers then run over the flat token batch with no per-sequence Python work excep
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from engine.attention.backend import get_attention_backend
 from engine.batch import StepBatch
+from engine.compiled_decode import CompiledDecode, eager_forced
 from engine.kv_cache import KVCache
 from engine.loader import load_model, torch_dtype
 from engine.config import CacheConfig, ModelConfig
@@ -40,7 +43,9 @@ def _check_tables(batch: StepBatch, block_size: int) -> None:
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, attention: str = "torch",
-                 moe_backend: str = "local") -> None:
+                 moe_backend: str = "local", max_num_seqs: int = 64,
+                 log: Callable[[str], None] | None = None) -> None:
+        """`max_num_seqs` sizes the compiled decode step's largest bucket; `log` gets its progress lines."""
         torch.manual_seed(model_config.seed)
         loaded = load_model(model_config, moe_backend)
         self.model, self.spec, self.tokenizer = loaded.model, loaded.spec, loaded.tokenizer
@@ -50,6 +55,11 @@ class ModelRunner:
         self.attention = get_attention_backend(attention)
         self.cache = KVCache(cache_config.num_blocks, self.spec.num_layers, cache_config.block_size,
                              self.spec.num_kv_heads, self.spec.head_dim, self.dtype, self.device)
+        self.compiled: CompiledDecode | None = None
+        eager = model_config.enforce_eager
+        if not (eager_forced() if eager is None else eager):
+            self.compiled = CompiledDecode(self.model, self.cache, max_num_seqs, self.device)
+            self.compiled.warmup(self.execute, log)
 
     @property
     def kv_cache(self) -> torch.Tensor:
@@ -76,9 +86,13 @@ class ModelRunner:
         self.attention.invalidate()
 
     def rope(self, batch: StepBatch, positions: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin `[T, 1, D]` for the step's flat `positions` (`length`: max position + 1)."""
-        self.model.rotary.ensure(length)
-        return self.model.rotary.lookup_signed(positions)
+        """cos and signed sin `[T, 1, D]` for the step's flat `positions` (`length`: max position + 1). Dynamic NTK
+        rotates each token for its own sequence's length (engine/models/rope.py), never another request's."""
+        rotary = self.model.rotary
+        if rotary.dynamic:
+            return rotary.lookup_dynamic(positions, batch.seqs)
+        rotary.ensure(length)
+        return rotary.lookup_signed(positions)
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> torch.Tensor:
@@ -86,6 +100,8 @@ class ModelRunner:
         if not batch.seqs:
             return torch.empty(0, self.spec.vocab_size, dtype=torch.float32, device=self.device)
         _check_tables(batch, self.block_size)
+        if self.compiled is not None and self.compiled.supports(batch):
+            return self._execute_compiled(batch)
         ids, positions, logit_rows = _flat_inputs(batch)
         meta = self.attention.build_metadata(batch, self.block_size, self.device, self.dtype)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)          # [T]
@@ -99,3 +115,11 @@ class ModelRunner:
         if len(logit_rows) != len(ids):
             hidden = hidden[torch.tensor(logit_rows, dtype=torch.int64, device=self.device)]  # [N, H]
         return self.model.logits(hidden)                                              # [N, V]
+
+    def _execute_compiled(self, batch: StepBatch) -> torch.Tensor:
+        positions = [s.start_pos for s in batch.seqs]
+        cos, sin = self.rope(batch, torch.tensor(positions, dtype=torch.int64, device=self.device),
+                             max(positions) + 1)                                       # [B, 1, D] each
+        # NOTE: the eager backend's derived state (its DecodeBuffer) does not see this step's cache writes
+        self.attention.invalidate()
+        return self.compiled.run(batch, cos, sin)                                      # [B, V]

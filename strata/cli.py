@@ -40,13 +40,14 @@ def generate(
     stop: list[str] = typer.Option([], help="stop string (repeatable)"),
     device: str = typer.Option("cpu", help="cpu, cuda or cuda:N"),
     dtype: str = typer.Option("float32", help="float32, bfloat16 or float16"),
+    enforce_eager: bool = typer.Option(False, "--enforce-eager", help="do not compile the decode step"),
 ) -> None:
     """Generate a continuation of PROMPT, streaming it to stdout. Sampling options left out take the model's
     generation_config.json defaults (greedy where it sets none)."""
     from strata.llm import LLM
 
     try:
-        llm = LLM(model, device=device, dtype=dtype)
+        llm = LLM(model, device=device, dtype=dtype, max_num_seqs=1, enforce_eager=True if enforce_eager else None)
         params = llm.default_sampling_params(
             max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
             repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,

@@ -44,13 +44,15 @@ def serve(
     policy: Optional[str] = typer.Option(None, help="routing policy: kv_aware, round_robin, least_loaded"),
     config: Optional[str] = typer.Option(None, "--config", help="YAML file with these options as keys"),
     log_level: Optional[str] = typer.Option(None, "--log-level", help="workers' log level (default WARNING)"),
+    enforce_eager: bool = typer.Option(False, "--enforce-eager", help="workers do not compile the decode step"),
 ) -> None:
     """Start a router and its prefill/decode workers; stop them all on Ctrl-C or SIGTERM."""
     from strata.launcher import LaunchError, LocalLauncher, ServeConfig
 
     overrides = dict(prefill=prefill, decode=decode, model=model, host=host, grpc_port=grpc_port, http_port=http_port,
                      redis_url=redis_url, s3_url=s3_url, data_dir=data_dir, transfer=transfer, policy=policy,
-                     log_level=log_level, disk_tier=False if no_disk else None)
+                     log_level=log_level, disk_tier=False if no_disk else None,
+                     enforce_eager=True if enforce_eager else None)
     try:
         cfg = ServeConfig.from_file(config, **overrides) if config else ServeConfig.from_mapping({}, **overrides)
     except (ValueError, OSError) as exc:

@@ -69,6 +69,7 @@ class ServeConfig:
     log_level: str = "WARNING"
     ready_timeout_s: float = 300.0
     register_workers: bool = True
+    enforce_eager: bool = False
 
 
     def __post_init__(self) -> None:
@@ -281,6 +282,8 @@ class LocalLauncher(Launcher):
                 "--num-blocks", str(c.num_blocks), "--host-tier-mib", str(c.host_tier_mib),
                 "--handoff-mib", str(c.handoff_mib), "--log-level", c.log_level,
                 "--metrics-port", "0"]  # each worker's own /metrics, named on its READY line in the log
+        if c.enforce_eager:
+            args += ["--enforce-eager"]
         if c.disk_tier:
             assert self._data_dir is not None
             disk = self._data_dir / name / "disk"

@@ -41,7 +41,7 @@ class EngineArgs:
     max_model_len: int = 2048
     seed: int = 0
     attention: str = "torch"
-    enforce_eager: bool = False
+    enforce_eager: bool | None = None   # None: compiled unless STRATA_ENFORCE_EAGER=1
 
 
     def configs(self) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
@@ -53,7 +53,7 @@ class EngineArgs:
 
 def build_engine(args: EngineArgs) -> LLMEngine:
     model_config, cache_config, scheduler_config = args.configs()
-    runner = ModelRunner(model_config, cache_config, attention=args.attention)
+    runner = ModelRunner(model_config, cache_config, attention=args.attention, max_num_seqs=args.max_num_seqs)
     namespace = kv_namespace(runner, cache_config, model_config.dtype)
     return LLMEngine(runner, runner.tokenizer, cache_config, scheduler_config, hash_block,
                      namespace.fingerprint(), seed=args.seed)

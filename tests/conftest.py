@@ -17,6 +17,10 @@ import pytest
 
 from kvstore.transfer.nixl import nixl_missing
 
+# Engines the tests build run eager unless a test asks for the compiled decode step (`enforce_eager=False`): a
+# first compile takes 20-40 s on a CPU. tests/unit/test_compiled_decode.py and the compiled serving test cover it.
+os.environ.setdefault("STRATA_ENFORCE_EAGER", "1")
+
 # NIXL is optional for users; `.ci/run` installs it and sets STRATA_REQUIRE_NIXL=1, so there its tests fail, not skip.
 SKIP_NIXL = nixl_missing() and not os.environ.get("STRATA_REQUIRE_NIXL")
 needs_nixl = pytest.mark.skipif(SKIP_NIXL, reason="NIXL is not installed (pip install nixl-cu12); CI requires it")

@@ -24,6 +24,8 @@ def parse_config(role: str, argv: Sequence[str] | None = None) -> WorkerConfig:
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     p.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="do not compile the decode step (also: STRATA_ENFORCE_EAGER=1)")
     p.add_argument("--lease-ttl-s", type=float, default=d.lease_ttl_s, help="prefill: KV lease without ReleaseKv")
     p.add_argument("--handoff-mib", type=int, default=d.handoff_bytes >> 20, help="prefill: hand-off region")
     p.add_argument("--host-tier-mib", type=int, default=d.host_tier_bytes >> 20)
@@ -53,7 +55,7 @@ def parse_config(role: str, argv: Sequence[str] | None = None) -> WorkerConfig:
         role=role, model=resolve_model(args.model), host=args.host, port=args.port, worker_id=args.worker_id,
         transfer=args.transfer, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, lease_ttl_s=args.lease_ttl_s, handoff_bytes=args.handoff_mib << 20,
+        max_model_len=args.max_model_len, enforce_eager=args.enforce_eager, lease_ttl_s=args.lease_ttl_s, handoff_bytes=args.handoff_mib << 20,
         host_tier_bytes=args.host_tier_mib << 20, transfer_deadline_s=args.transfer_deadline_s,
         disk_path=args.disk_path, redis_url=args.redis_url, s3_url=args.s3_url,
         kv_events_endpoint=args.kv_events_endpoint, kv_replay_endpoint=args.kv_replay_endpoint,

@@ -44,6 +44,7 @@ class WorkerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int = 2048
+    enforce_eager: bool = False
     lease_ttl_s: float = 30.0
     handoff_bytes: int = 256 << 20
     host_tier_bytes: int = 256 << 20

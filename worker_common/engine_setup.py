@@ -58,20 +58,22 @@ class EngineBundle:
 def build_engine(config: WorkerConfig, on_block_stored: Callable | None = None,
                  on_block_removed: Callable | None = None) -> EngineBundle:
     return build_engine_from(config.model, config.dtype, config.block_size, config.num_blocks, config.max_num_seqs,
-                             config.max_num_batched_tokens, config.max_model_len, on_block_stored=on_block_stored,
+                             config.max_num_batched_tokens, config.max_model_len,
+                             enforce_eager=True if config.enforce_eager else None, on_block_stored=on_block_stored,
                              on_block_removed=on_block_removed)
 
 
 def build_engine_from(model: str, dtype: str = "float32", block_size: int = 16, num_blocks: int = 1024,
                       max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
-                      max_model_len: int = 2048, *, engine_text: bool = False, on_block_stored: Callable | None = None,
+                      max_model_len: int = 2048, *, enforce_eager: bool | None = None, engine_text: bool = False, on_block_stored: Callable | None = None,
                       on_block_removed: Callable | None = None) -> EngineBundle:
     """`engine_text=True` lets the engine detokenize (the single-engine reference); workers leave it False.
     `on_block_stored` / `on_block_removed` are the block manager's device-tier hooks (the worker's KV events)."""
     cache_config = CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=True)
     scheduler_config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                        max_model_len=max_model_len)
-    runner = ModelRunner(ModelConfig(model, dtype=dtype), cache_config)
+    runner = ModelRunner(ModelConfig(model, dtype=dtype, enforce_eager=enforce_eager), cache_config,
+                         max_num_seqs=max_num_seqs)
     spec = runner.spec
     layout = codec.BlockLayout(spec.num_layers, block_size, spec.num_kv_heads, spec.head_dim)
     namespace = kv_namespace(runner, cache_config, dtype)  # the one definition `strata.llm` uses too
