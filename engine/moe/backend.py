@@ -17,7 +17,8 @@ class MoEBackend(nn.Module, ABC):
     - Built from STACKED expert weights: `w13 [E, 2*I, H]` (gate rows then up rows, as one matmul) and
       `w2 [E, H, I]`. An expert-parallel backend may keep only its own experts' slices.
     - `forward(x [T, H], topk_ids [T, k] int64, topk_weights [T, k])` returns `[T, H]` in x's dtype:
-      for every token, sum over its k experts of `weight * down(silu(gate(x)) * up(x))`.
+      for every token, sum over its k experts of `weight * down(silu(gate(x)) * up(x))`. A token's k ids are
+      distinct (top-k's always are).
     - Tokens are independent: the result for one token does not depend on the others in the batch
       (so batching never changes numerics beyond float rounding). It does not modify its inputs.
     """

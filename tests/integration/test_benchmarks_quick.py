@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-BENCHMARKS = ["engine_throughput.py", "kvstore_bench.py", "transfer_bench.py", "transfer_ab.py", "routing_sim.py", "ttft_breakdown.py"]
+BENCHMARKS = ["engine_throughput.py", "kvstore_bench.py", "transfer_bench.py", "transfer_ab.py", "routing_sim.py", "ttft_breakdown.py",
+              "moe_bench.py"]
 
 
 @pytest.mark.parametrize("script", BENCHMARKS)
