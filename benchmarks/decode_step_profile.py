@@ -1,6 +1,14 @@
-"""Per-step time of one decode batch on the model runner, and the ops that step spends it on.
+"""Per-step time of a decode batch: the whole `LLMEngine.step()` and the share spent outside the forward, then the
+model runner alone and the ops its step spends the time on.
 
-Each batch size B runs B decode sequences (one new token each, every sequence with its own `--table-blocks`
+Engine mode (on by default; `--no-engine` skips it): B concurrent requests with `--prompt-len`-token prompts are
+added to a real engine and run past their prefill; then each of `--steps` decode steps is timed whole and inside
+`runner.execute` (wrapped), and the medians give the share of the step outside the forward (scheduling, sampling,
+detokenizing, outputs). Two workloads per batch size: `greedy`, and `mixed` (rows cycle through temperature,
+top-k, top-p, seeds, repetition / presence / frequency penalties, logit bias and min_tokens). Requests ask for the
+text only when they finish, as `LLM.generate` does (`--stream-text`: every step, as a stream).
+
+Runner mode: each batch size B runs B decode sequences (one new token each, every sequence with its own `--table-blocks`
 distinct blocks) through `ModelRunner.execute` as a real decode does: the first step at position `--context - 1`,
 each later step one position further (so steady-state optimizations apply; the first step is a warm-up). The
 cache holds whatever earlier steps wrote, which is enough for timing. Prints the median and minimum step time per
@@ -9,10 +17,12 @@ with every figure. Runs on 1 torch thread unless `--threads` says otherwise.
 
     OMP_NUM_THREADS=1 python benchmarks/decode_step_profile.py                   # batch 1, 8, 32
     python benchmarks/decode_step_profile.py --batch 32 --top 15 --json
+    python benchmarks/decode_step_profile.py --quick --json                       # the CI smoke run
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -25,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.batch import ScheduledSeq, StepBatch  # noqa: E402
 from engine.model_runner import ModelRunner  # noqa: E402
+from engine.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
 from strata.llm import LLM  # noqa: E402
 
 
@@ -66,6 +77,92 @@ def top_ops(runner: ModelRunner, batches: list[StepBatch], top: int) -> list[dic
             for e in events]
 
 
+def workload_params(kind: str, row: int, max_tokens: int) -> SamplingParams:
+    """Row `row`'s params: `greedy`, or `mixed` (every sampler option, cycling over rows). No request stops early."""
+    common = {"max_tokens": max_tokens, "ignore_eos": True}
+    if kind == "greedy":
+        return SamplingParams(**common)
+    mixed = [  # row 0 alone (batch 1) is a seeded, filtered, penalised draw
+        {"temperature": 0.8, "top_p": 0.9, "seed": row, "repetition_penalty": 1.1, "frequency_penalty": 0.2},
+        {},
+        {"temperature": 1.0, "top_k": 40, "repetition_penalty": 1.2, "seed": row},
+        {"temperature": 0.7, "presence_penalty": 0.5, "frequency_penalty": 0.3},
+        {"repetition_penalty": 1.1, "logit_bias": {5: -3.0, 17: 2.0}},
+        {"temperature": 0.9, "top_k": 50, "top_p": 0.95, "seed": row, "min_tokens": max_tokens,
+         "stop_token_ids": (3,)},
+    ]
+    return SamplingParams(**common, **mixed[row % len(mixed)])
+
+
+def text_policy(params: SamplingParams, stream_text: bool) -> SamplingParams:
+    """`LLM.generate`'s policy (text decoded once, at the end) unless `--stream-text` (text every step)."""
+    return params if stream_text else dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+
+
+class TimedRunner:
+    """Wraps `runner.execute` to record the time of each call."""
+
+    def __init__(self, runner) -> None:
+        self.runner, self.times = runner, []
+        self._execute = runner.execute
+
+    def __enter__(self) -> "TimedRunner":
+        def execute(batch):
+            start = time.perf_counter()
+            try:
+                return self._execute(batch)
+            finally:
+                self.times.append(time.perf_counter() - start)
+        self.runner.execute = execute
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.runner.execute
+
+
+def engine_step_times(llm: LLM, batch: int, kind: str, prompt_len: int, steps: int,
+                      stream_text: bool = False) -> tuple[list, list]:
+    """(step seconds, forward seconds) of `steps` decode steps with `batch` running requests."""
+    engine, warmup = llm.engine, 3
+    gen = torch.Generator().manual_seed(2 * batch + (kind == "mixed"))  # no prefix hits
+    vocab = engine.runner.vocab_size
+    ids = [f"{kind}-{batch}-{i}" for i in range(batch)]
+    for i, request_id in enumerate(ids):
+        prompt = torch.randint(8, vocab, (prompt_len,), generator=gen).tolist()
+        engine.add_request(request_id, prompt, text_policy(workload_params(kind, i, warmup + steps + 2), stream_text))
+    while any(r.num_output_tokens == 0 for r in map(engine.scheduler.get_request, ids)):
+        engine.step()   # prefills
+    for _ in range(warmup):
+        engine.step()
+    step_s = []
+    with TimedRunner(engine.runner) as timed:
+        for _ in range(steps):
+            start = time.perf_counter()
+            engine.step()
+            step_s.append(time.perf_counter() - start)
+    for request_id in ids:
+        engine.abort(request_id)
+    assert len(timed.times) == steps, "every timed step must run the forward exactly once"
+    return step_s, timed.times
+
+
+def engine_rows(llm: LLM, sizes: list[int], prompt_len: int, steps: int, stream_text: bool) -> list[dict]:
+    engine_step_times(llm, max(sizes), "mixed", prompt_len, 4, stream_text)  # warm-up
+    rows = []
+    for kind in ("greedy", "mixed"):
+        for size in sizes:
+            step_s, forward_s = engine_step_times(llm, size, kind, prompt_len, steps, stream_text)
+            step, forward = statistics.median(step_s), statistics.median(forward_s)
+            outside = statistics.median(s - f for s, f in zip(step_s, forward_s))
+            row = {"workload": kind, "batch": size, "step_ms": 1e3 * step, "forward_ms": 1e3 * forward,
+                   "outside_ms": 1e3 * outside, "outside_share": outside / step}
+            rows.append(row)
+            print(f"engine {kind:<6} batch {size:>3}: step {row['step_ms']:7.3f} ms | forward "
+                  f"{row['forward_ms']:7.3f} ms | outside the forward {row['outside_ms']:6.3f} ms "
+                  f"({100 * row['outside_share']:4.1f}%)", flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model folder (default: the bundled model)")
@@ -75,12 +172,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--top", type=int, default=12, help="ops to list for the largest batch (0: none)")
+    parser.add_argument("--prompt-len", type=int, default=64, help="engine mode: prompt tokens per request")
+    parser.add_argument("--stream-text", action="store_true",
+                        help="engine mode: requests stream text every step (default: text at the end, as generate)")
+    parser.add_argument("--no-engine", dest="engine", action="store_false", help="skip the engine-step mode")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: batch 1 and 4, few steps, no op table")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.quick:
+        args.batch, args.steps, args.top, args.prompt_len = "1,4", 4, 0, 16
     torch.set_num_threads(args.threads)
     sizes = [int(b) for b in args.batch.split(",")]
-    llm = LLM(args.model, max_num_seqs=max(sizes), num_blocks=max(sizes) * args.table_blocks + 1)
+    engine_blocks = -(-(args.prompt_len + args.steps + 8) // 16)   # a request's table in engine mode (block 16)
+    llm = LLM(args.model, max_num_seqs=max(sizes), num_blocks=max(sizes) * max(args.table_blocks, engine_blocks) + 1)
     runner = llm.engine.runner
+    engine = engine_rows(llm, sizes, args.prompt_len, args.steps, args.stream_text) if args.engine else []
     results = []
     for size in sizes:
         times = step_times(runner, decode_steps(size, args.context, args.steps, args.table_blocks, runner.block_size))
@@ -96,7 +202,8 @@ def main() -> None:
             print(f"  {op['op']:<40} {op['self_us_per_step']:9.1f} us  {op['calls_per_step']:6.1f} calls")
     if args.json:
         print(json.dumps({"benchmark": "decode_step_profile", "context": args.context,
-                          "torch_threads": torch.get_num_threads(), "results": results, "top_ops": ops}))
+                          "torch_threads": torch.get_num_threads(), "stream_text": args.stream_text,
+                          "engine": engine, "results": results, "top_ops": ops}))
 
 
 if __name__ == "__main__":

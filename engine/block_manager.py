@@ -74,6 +74,7 @@ class BlockManager:
         self._hash_root = hash_root
         self._on_block_stored = on_block_stored
         self._tables: dict[str, list[int]] = {}
+        self._snapshots: dict[str, list[int]] = {}   # a copy of each table as it last grew (see table_snapshot)
         self._num_committed: dict[str, int] = {}     # leading full blocks already indexed (or hit)
 
     @property
@@ -87,6 +88,17 @@ class BlockManager:
     def block_table(self, request_id: str) -> list[int]:
         """The live table (do not mutate); empty for a request that holds no blocks."""
         return self._tables.get(request_id, [])
+
+    def table_snapshot(self, request_id: str) -> list[int]:
+        """A copy of the table that later changes do not touch (do not mutate it). A table only grows while its
+        request holds it, so the copy is made again only when it grew: O(1) per decode step, not O(blocks)."""
+        table = self._tables.get(request_id)
+        if table is None:
+            return []
+        snapshot = self._snapshots.get(request_id)
+        if snapshot is None or len(snapshot) != len(table):
+            snapshot = self._snapshots[request_id] = list(table)
+        return snapshot
 
     def match_prefix(self, request: Request) -> PrefixMatch:
         if not self.enable_prefix_caching or request.needs_prompt_logprobs:
@@ -113,6 +125,7 @@ class BlockManager:
         self.pool.touch(prefix.block_ids)  # NOTE: before allocating, so eviction cannot take a hit block
         table = prefix.block_ids + [self.pool.allocate() for _ in range(num_fresh)]
         self._tables[request.request_id] = table
+        self._snapshots.pop(request.request_id, None)
         self._num_committed[request.request_id] = len(prefix.block_ids)
         request.num_computed_tokens = prefix.num_tokens
         if request.num_preemptions == 0:
@@ -152,6 +165,7 @@ class BlockManager:
         """Release every block of the request (tail first). Safe to call for a request that holds none."""
         table = self._tables.pop(request.request_id, None)
         self._num_committed.pop(request.request_id, None)
+        self._snapshots.pop(request.request_id, None)
         if table:
             request.freed_block_ids = table  # NOTE: the KV stays readable until the next allocation (a hand-off)
             self.pool.release(reversed(table))

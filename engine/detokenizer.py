@@ -10,6 +10,9 @@ start of a decode (Metaspace) still print it:
 A byte-level BPE token can end in the middle of a UTF-8 character; the decode then ends in U+FFFD and the window
 waits for more tokens, so a partial character is never emitted. Text that could be the start of a stop string is
 held back until it is known not to be one, so what was released is never taken back.
+
+A request that nobody reads text from before it ends (no stop strings, `RequestOutputKind.FINAL_ONLY`) skips all of
+this: `decode_final` decodes its outputs once, to the same text.
 """
 from __future__ import annotations
 
@@ -57,6 +60,16 @@ class Detokenizer:
     def text(self) -> str:
         """Everything released so far."""
         return self._decoded[:self._released]
+
+    @property
+    def num_released(self) -> int:
+        return self._released
+
+    def text_upto(self, length: int) -> str:
+        """The first `length` characters released (what `text` was when `num_released` was `length`): released
+        text is never taken back, so this stays valid as the request goes on."""
+        assert length <= self._released
+        return self._decoded[:length]
 
     def push(self, token_ids: Sequence[int]) -> DetokenizeStep:
         if self.stop is not None:
@@ -111,3 +124,23 @@ class Detokenizer:
             if any(stop.startswith(tail) for stop in self._stops):
                 return k
         return 0
+
+
+def decode_final(tokenizer: TokenDecoder, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int],
+                 skip_special_tokens: bool = True) -> str:
+    """The text a `Detokenizer` without stop strings releases in all (flushed) when pushed these outputs one token
+    per push; in one decode when that text has no U+FFFD, else by those pushes.
+
+    NOTE: one decode gives the same text when the decode of the outputs extends the decode of each prefix that
+    ends on a complete character: true of every decoder of generative checkpoints (byte-level BPE, Metaspace, byte
+    fallback) as long as every byte run is valid UTF-8. A text with U+FFFD may hold an invalid run (byte fallback
+    turns a whole run into U+FFFD, after the pushes released its valid start) or a partial last character (the
+    pushes never release it), so it is replayed.
+    """
+    context = list(prompt_token_ids[-_PROMPT_CONTEXT:])
+    prefix = tokenizer.decode(context, skip_special_tokens=skip_special_tokens)
+    full = tokenizer.decode(context + list(output_token_ids), skip_special_tokens=skip_special_tokens)
+    if full.startswith(prefix) and _REPLACEMENT not in full:
+        return full[len(prefix):]
+    detokenizer = Detokenizer(tokenizer, prompt_token_ids, SamplingParams(), skip_special_tokens)
+    return "".join(detokenizer.push([t]).new_text for t in output_token_ids) + detokenizer.flush()

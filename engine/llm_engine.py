@@ -5,18 +5,20 @@ store and the router's index, the `on_block_stored` / `on_block_removed` hooks).
 """
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+import dataclasses
+import functools
+from typing import Callable, Protocol, Sequence
 
 import torch
 
 from engine.batch import StepBatch
 from engine.block_manager import BlockManager, Hasher, OnBlockStored, PrefixCacheStats
 from engine.block_pool import OnBlockRemoved
-from engine.detokenizer import Detokenizer
-from engine.outputs import RequestOutput, TokenLogprobs
+from engine.detokenizer import Detokenizer, decode_final
+from engine.outputs import Prefix, RequestOutput, TokenLogprobs
 from engine.request import Request, RequestStatus
-from engine.sampler import Sampler, token_logprobs
-from engine.sampling_params import SamplingParams
+from engine.sampler import Sampler, SeenTokens, token_logprobs
+from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.scheduler import RequestUpdate, ScheduledStep, Scheduler
 from engine.config import CacheConfig, SchedulerConfig
 
@@ -52,7 +54,7 @@ class LLMEngine:
         if eos_token_ids is None:  # default: the tokenizer's (engine.tokenizer.Tokenizer knows them)
             eos_token_ids = getattr(tokenizer, "eos_token_ids", ())
         self.scheduler = Scheduler(scheduler_config, self.block_manager, eos_token_ids)
-        self.sampler = Sampler(seed)
+        self.sampler = Sampler(seed, tuple(eos_token_ids))   # bans eos before min_tokens
         self._detokenizers: dict[str, Detokenizer] = {}
         self._pending_logprobs: dict[str, TokenLogprobs] = {}  # sampled this step, taken by _output
         self._num_generate_calls = 0
@@ -74,12 +76,14 @@ class LLMEngine:
             raise ValueError("stop strings need a tokenizer")
         request = Request(request_id, list(prompt), params, hash_root=hash_root)
         self.scheduler.add_request(request)
-        if self.tokenizer is not None:
+        # NOTE: a FINAL_ONLY request's text is decoded once at the end, unless stop strings need it every step
+        if self.tokenizer is not None and (params.output_kind is RequestOutputKind.CUMULATIVE or params.stop):
             self._detokenizers[request_id] = Detokenizer(self.tokenizer, request.prompt_token_ids, params)
         return request
 
     def abort(self, request_id: str) -> bool:
         self._detokenizers.pop(request_id, None)
+        self.sampler.release(request_id)
         return self.scheduler.abort(request_id) is not None
 
     def has_unfinished(self) -> bool:
@@ -93,44 +97,53 @@ class LLMEngine:
             self.runner.write_blocks([b for b, _ in step.preloads], torch.stack([kv for _, kv in step.preloads]))
         logits = self.runner.execute(step.batch)  # [sum(num_logits), vocab]
         updates = self.scheduler.update(step, self._sample(step, logits))
-        outputs = [self._output(update) for update in updates]
+        outputs = [output for output in map(self._output, updates) if output is not None]
         self._pending_logprobs.clear()
         return outputs
 
     def generate(self, prompts: Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Run prompts to completion; the final output of each, in prompt order."""
+        """Run prompts to completion; the final output of each, in prompt order (`RequestOutputKind.FINAL_ONLY`:
+        no text is decoded before a request ends)."""
         each = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
         self._num_generate_calls += 1
         ids = [f"generate-{self._num_generate_calls}-{i}" for i in range(len(prompts))]
         for request_id, prompt, p in zip(ids, prompts, each):
-            self.add_request(request_id, prompt, p)
+            final_only = dataclasses.replace(p or SamplingParams(), output_kind=RequestOutputKind.FINAL_ONLY)
+            self.add_request(request_id, prompt, final_only)
         final: dict[str, RequestOutput] = {}
         while self.has_unfinished():
             final.update((o.request_id, o) for o in self.step() if o.finished)
         return [final[i] for i in ids]
 
     def _sample(self, step: ScheduledStep, logits: torch.Tensor) -> list[list[int]]:
-        if logits.shape[0] != sum(1 for seq in step.batch.seqs if seq.num_logits):
+        rows = [i for i, seq in enumerate(step.batch.seqs) if seq.num_logits]
+        if logits.shape[0] != len(rows):
             logits, rows = self._prompt_logprobs(step, logits)  # some sequences have a row per prompt position
-        else:
-            rows = [i for i, seq in enumerate(step.batch.seqs) if seq.num_logits]
         requests = [step.requests[i] for i in rows]
-        seen = [(r.prompt_token_ids, r.output_token_ids) if r.params.penalized else None for r in requests]
-        tokens = self.sampler.sample(self._ban_early_stops(logits, requests), [r.params for r in requests],
-                                     [r.num_output_tokens for r in requests], seen)
-        wanted = [j for j, r in enumerate(requests) if r.params.logprobs is not None]
-        if wanted:
-            # NOTE: from the raw logits (the sampler works on a penalised copy): vLLM's default logprobs mode
-            index = torch.tensor(wanted, device=logits.device)
-            computed = token_logprobs(logits.index_select(0, index), [tokens[j] for j in wanted],
-                                      [requests[j].params.logprobs for j in wanted])
-            for j, entry in zip(wanted, computed):
-                self._pending_logprobs[requests[j].request_id] = TokenLogprobs(*entry)
+        params = [r.params for r in requests]
+        # NOTE: keyed by request id, the sampler keeps penalty counts across steps (released when a request ends)
+        seen = [SeenTokens(r.prompt_token_ids, r.output_token_ids, r.request_id) for r in requests] \
+            if any(p.penalized for p in params) else None
+        tokens = self.sampler.sample(logits, params, [r.num_output_tokens for r in requests], seen)
+        if any(p.logprobs is not None for p in params):
+            self._token_logprobs(logits, requests, tokens)
+        if len(rows) == len(step.batch.seqs):
+            return [[token_id] for token_id in tokens]
         sampled: list[list[int]] = [[] for _ in step.batch.seqs]
         for i, token_id in zip(rows, tokens):
             sampled[i] = [token_id]
         return sampled
+
+    def _token_logprobs(self, logits: torch.Tensor, requests: list[Request], tokens: list[int]) -> None:
+        """Logprobs of the sampled tokens for the requests that ask, for `_output` to take."""
+        wanted = [j for j, r in enumerate(requests) if r.params.logprobs is not None]
+        # NOTE: from the raw logits (the sampler works on a penalised copy): vLLM's default logprobs mode
+        index = torch.tensor(wanted, device=logits.device)
+        computed = token_logprobs(logits.index_select(0, index), [tokens[j] for j in wanted],
+                                  [requests[j].params.logprobs for j in wanted])
+        for j, entry in zip(wanted, computed):
+            self._pending_logprobs[requests[j].request_id] = TokenLogprobs(*entry)
 
     def _prompt_logprobs(self, step: ScheduledStep, logits: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         """Record the prompt logprobs of the rows that predict prompt tokens; the logits rows to sample from and
@@ -155,45 +168,65 @@ class LLMEngine:
             base += n
         return logits[torch.tensor(sample_rows, dtype=torch.long, device=logits.device)], seq_indices
 
-    def _ban_early_stops(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-        """A copy of `logits` where rows short of their min_tokens cannot draw an end-of-sequence or stop token
-        (`logits` itself stays raw for logprobs)."""
-        early = [(j, r.params) for j, r in enumerate(requests) if r.num_output_tokens < r.params.min_tokens]
-        if not early:
-            return logits
-        out = logits.clone()
-        for j, p in early:
-            banned = [t for t in (*p.stop_token_ids, *(() if p.ignore_eos else self.scheduler.eos_token_ids))
-                      if t < out.shape[1]]
-            if banned:
-                out[j, torch.tensor(banned, dtype=torch.long, device=out.device)] = float("-inf")
-        return out
-
-    def _output(self, update: RequestUpdate) -> RequestOutput:
+    def _output(self, update: RequestUpdate) -> RequestOutput | None:
+        """The step's output for a request; None for an unfinished FINAL_ONLY one. Cumulative fields are `Prefix`
+        snapshots of the request's append-only lists (read on demand), not copies."""
         request, new_ids = update
-        new_text, text, stop_reason = self._detokenize(request, new_ids)
-        if request.is_finished:
-            self._detokenizers.pop(request.request_id, None)
+        params = request.params
+        new_text, stop_reason = self._detokenize(request, new_ids)
+        new_logprobs = None if params.logprobs is None else self._record_logprobs(request, new_ids)
+        finished = request.is_finished
+        if finished:
+            self.sampler.release(request.request_id)
             if stop_reason is None and request.status is RequestStatus.FINISHED_STOPPED:
                 stop_reason = request.output_token_ids[-1]
-        new_logprobs = logprobs = None
-        if request.params.logprobs is not None:
-            new_logprobs = [self._pending_logprobs.pop(request.request_id)] if new_ids else []
-            if request.output_logprobs is None:
-                request.output_logprobs = []
-            request.output_logprobs.extend(new_logprobs)
-            logprobs = list(request.output_logprobs)
-        prompt_logprobs = None
-        if request.params.prompt_logprobs is not None and not request.needs_prompt_logprobs:
-            prompt_logprobs = [None, *request.prompt_logprobs]
-        return RequestOutput(request.request_id, new_ids, new_text, list(request.output_token_ids), text,
-                             request.is_finished, request.finish_reason, request.num_cached_tokens,
-                             request.num_prompt_tokens, stop_reason, new_logprobs, logprobs, prompt_logprobs)
+        if params.output_kind is RequestOutputKind.FINAL_ONLY:
+            return self._final_output(request, stop_reason) if finished else None
+        detokenizer = (self._detokenizers.pop if finished else self._detokenizers.get)(request.request_id, None)
+        text = functools.partial(detokenizer.text_upto, detokenizer.num_released) if detokenizer else ""
+        logprobs = None if new_logprobs is None else Prefix(request.output_logprobs, len(request.output_logprobs))
+        prompt_logprobs = None if params.prompt_logprobs is None else self._prompt_logprobs_out(request, lazy=True)
+        return RequestOutput(request.request_id, new_ids, new_text,
+                             Prefix(request.output_token_ids, request.num_output_tokens), text, finished,
+                             request.finish_reason, request.num_cached_tokens, request.num_prompt_tokens,
+                             stop_reason, new_logprobs, logprobs, prompt_logprobs)
 
-    def _detokenize(self, request: Request, new_ids: list[int]) -> tuple[str, str, str | None]:
+    def _final_output(self, request: Request, stop_reason: str | int | None) -> RequestOutput:
+        """Everything at once: the new fields hold every output too (nothing was handed out before)."""
+        detokenizer = self._detokenizers.pop(request.request_id, None)
+        if detokenizer is not None:
+            text = detokenizer.text
+        elif self.tokenizer is not None:
+            text = decode_final(self.tokenizer, request.prompt_token_ids, request.output_token_ids)
+        else:
+            text = ""
+        logprobs = list(request.output_logprobs) if request.params.logprobs is not None else None
+        return RequestOutput(request.request_id, list(request.output_token_ids), text,
+                             list(request.output_token_ids), text, True, request.finish_reason,
+                             request.num_cached_tokens, request.num_prompt_tokens, stop_reason, logprobs,
+                             None if logprobs is None else list(logprobs), self._prompt_logprobs_out(request))
+
+    def _record_logprobs(self, request: Request, new_ids: list[int]) -> list[TokenLogprobs]:
+        """The new tokens' logprobs (sampled this step), appended to the request's."""
+        new_logprobs = [self._pending_logprobs.pop(request.request_id)] if new_ids else []
+        if request.output_logprobs is None:
+            request.output_logprobs = []
+        request.output_logprobs.extend(new_logprobs)
+        return new_logprobs
+
+    @staticmethod
+    def _prompt_logprobs_out(request: Request, lazy: bool = False) -> list | Callable[[], list] | None:
+        """One per prompt token (None for the first), once all are computed; `lazy`: built when read."""
+        if request.params.prompt_logprobs is None or request.needs_prompt_logprobs:
+            return None
+        entries = functools.partial(_first_none, request.prompt_logprobs)
+        return entries if lazy else entries()
+
+    def _detokenize(self, request: Request, new_ids: list[int]) -> tuple[str, str | None]:
+        """(text released by the new tokens, the stop string that matched): ("", None) without a detokenizer."""
         detokenizer = self._detokenizers.get(request.request_id)
         if detokenizer is None:
-            return "", "", None
+            return "", None
         new_text, stop = detokenizer.push(new_ids)
         if stop is not None:
             if request.is_finished:
@@ -202,4 +235,8 @@ class LLMEngine:
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
         elif request.is_finished:
             new_text += detokenizer.flush()
-        return new_text, detokenizer.text, stop
+        return new_text, stop
+
+
+def _first_none(entries: list) -> list:
+    return [None, *entries]

@@ -1,9 +1,22 @@
 """Per-request sampling settings, validated on construction (errors name the field and the allowed range)."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 MAX_LOGPROBS = 20  # as vLLM's default max_logprobs and OpenAI's top_logprobs bound
+
+
+class RequestOutputKind(enum.Enum):
+    """Which outputs `LLMEngine.step()` hands back for a request (vLLM's names).
+
+    CUMULATIVE: one per step that sampled, with the step's new tokens and text and everything so far (a stream).
+    FINAL_ONLY: one, when the request finishes, with everything in `new_*` too; no text is decoded before then
+    unless stop strings need it (the offline `generate`).
+    """
+
+    CUMULATIVE = "cumulative"
+    FINAL_ONLY = "final_only"
 
 
 @dataclass(frozen=True)
@@ -24,6 +37,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, added to its logit in [-100, 100]); a dict works
     min_tokens: int = 0               # no end-of-sequence, stop token or stop string before this many outputs
     prompt_logprobs: int | None = None   # per prompt token after the first: its logprob and the N most likely
+    min_p: float = 0.0                # 0 means off; drops tokens less likely than min_p times the most likely one
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE   # a string ("final_only") works
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -37,6 +52,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
         if not (0.0 < self.repetition_penalty <= 10.0):
             raise ValueError(f"repetition_penalty must be in (0, 10] (1 = off), got {self.repetition_penalty!r}")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -63,6 +80,11 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            kinds = {k.value: k for k in RequestOutputKind}
+            if self.output_kind not in kinds:
+                raise ValueError(f"output_kind must be one of {sorted(kinds)}, got {self.output_kind!r}")
+            object.__setattr__(self, "output_kind", kinds[self.output_kind])
 
     @property
     def greedy(self) -> bool:

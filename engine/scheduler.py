@@ -103,8 +103,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledStep:
         plan = _Plan(self.config.max_num_batched_tokens)
-        # Decodes first (a stable sort keeps arrival order within each group).
-        for request in sorted(self._running, key=lambda r: r.num_computed_tokens < r.num_tokens - 1):
+        for request in self._decodes_first():
             if plan.budget == 0:
                 break
             if request.status is RequestStatus.RUNNING:   # not preempted earlier in this loop
@@ -126,6 +125,13 @@ class Scheduler:
         return updates
 
     # ----- steps of schedule()
+
+    def _decodes_first(self) -> list[Request]:
+        """A copy of the running requests (preemption edits the list), decodes first, arrival order within each."""
+        prefills = [r for r in self._running if r.num_computed_tokens < r.num_tokens - 1]
+        if not prefills:
+            return self._running[:]
+        return [r for r in self._running if r.num_computed_tokens >= r.num_tokens - 1] + prefills
 
     def _schedule_running(self, request: Request, plan: _Plan) -> None:
         remaining = request.num_tokens - request.num_computed_tokens
@@ -167,15 +173,24 @@ class Scheduler:
 
     def _build(self, plan: _Plan) -> ScheduledStep:
         seqs: list[ScheduledSeq] = []
-        table = self.block_manager.block_table
+        requests: list[Request] = []
+        table = self.block_manager.table_snapshot   # copied only when it grew, never changed afterwards
         for request, num_new in plan.planned.items():
             start = request.num_computed_tokens
             final = start + num_new == request.num_tokens
-            # every position of a prompt chunk when its prompt logprobs are wanted, else the last one to sample
-            num_logits = num_new if request.needs_prompt_logprobs else 1 if final else 0
+            if not request.needs_prompt_logprobs:
+                num_logits = 1 if final else 0     # the last position, to sample from
+            elif num_new == 1 and not final and self.config.max_num_batched_tokens > 1:
+                # NOTE: a one-token prompt chunk would have a single logits row, which the engine cannot tell from
+                # a row to sample from (`LLMEngine._sample` goes by the row count): it waits for the next step,
+                # keeping its slot. Every prompt chunk that runs has >= 2 rows, or is final.
+                continue
+            else:
+                num_logits = num_new               # every position: each predicts the next prompt token
             seqs.append(ScheduledSeq(request.request_id, request.token_ids[start:start + num_new], start,
-                                     list(table(request.request_id)), num_logits))
-        return ScheduledStep(StepBatch(seqs), list(plan.planned), plan.preempted, plan.preloads)
+                                     table(request.request_id), num_logits))
+            requests.append(request)
+        return ScheduledStep(StepBatch(seqs), requests, plan.preempted, plan.preloads)
 
     def _usable_preload(self, request: Request, prefix_tokens: int) -> int:
         """Tokens of `request.preloaded_kv` that can be installed: its block must follow the prefix hit exactly and

@@ -7,8 +7,11 @@ preemption end to end.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import zlib
+
+import pytest
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -16,7 +19,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from engine.batch import StepBatch
 from engine.llm_engine import LLMEngine
 from engine.request import RequestStatus
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams
 from kvstore.hashing import Namespace, hash_block
 from engine.config import CacheConfig, SchedulerConfig
 
@@ -215,3 +218,69 @@ def test_tokenizer_returning_id_lists_and_default_eos():
     request = engine.add_request("a", "the quick", SamplingParams(max_tokens=2))
     assert request.prompt_token_ids == make_tokenizer().encode("the quick").ids
     assert run_to_end(engine)["a"][-1].finish_reason == "length"
+
+
+class CountingTokenizer(ListTokenizer):
+    def __init__(self) -> None:
+        self.decodes = 0
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        self.decodes += 1
+        return super().decode(ids, skip_special_tokens)
+
+
+def final_fields(out) -> tuple:
+    return (out.token_ids, out.text, out.finished, out.finish_reason, out.stop_reason, out.logprobs,
+            out.num_cached_tokens, out.prompt_tokens)
+
+
+@pytest.mark.parametrize("extra", [{}, {"logprobs": 2}, {"stop": ("e",)}, {"repetition_penalty": 1.3, "min_tokens": 2}])
+def test_final_only_gives_one_output_equal_to_the_streamed_end(extra):
+    """The same requests streamed (CUMULATIVE) and FINAL_ONLY: one output each, with the streamed final fields, and
+    its `new_*` fields holding everything."""
+    def run(kind: RequestOutputKind) -> dict[str, list]:
+        engine = make_engine()
+        for i, (rid, prompt, params) in enumerate(workload()[:6]):
+            engine.add_request(rid, "the quick brown fox"[:5 + i] if i % 2 else prompt,
+                               dataclasses.replace(params, output_kind=kind, **extra))
+        outputs = run_to_end(engine)
+        assert engine.sampler.token_counts.num_slots == 0, "penalty counts are released when requests end"
+        return outputs
+    streamed, final = run(RequestOutputKind.CUMULATIVE), run(RequestOutputKind.FINAL_ONLY)
+    assert streamed.keys() == final.keys()
+    for rid, outs in final.items():
+        assert len(outs) == 1 and final_fields(outs[0]) == final_fields(streamed[rid][-1]), rid
+        assert (outs[0].new_token_ids, outs[0].new_text, outs[0].new_logprobs) == \
+            (outs[0].token_ids, outs[0].text, outs[0].logprobs)
+        assert "".join(o.new_text for o in streamed[rid]) == outs[0].text
+
+
+def test_final_only_request_is_not_decoded_before_it_ends():
+    tokenizer = CountingTokenizer()
+    engine = LLMEngine(PagedToyRunner(64), tokenizer, CacheConfig(block_size=BS, num_blocks=64),
+                       SchedulerConfig(max_model_len=128), hash_block, ROOT)
+    engine.add_request("a", "the quick", SamplingParams(max_tokens=6, output_kind="final_only"))
+    for _ in range(5):
+        assert engine.step() == [] and tokenizer.decodes == 0
+    [out] = engine.step()
+    assert out.finished and len(out.token_ids) == 6 and tokenizer.decodes >= 2
+
+
+def test_generate_asks_for_final_outputs_only():
+    engine = make_engine()
+    [out] = engine.generate(["the quick"], SamplingParams(max_tokens=4, temperature=1.0, seed=2))
+    engine.add_request("s", "the quick", SamplingParams(max_tokens=4, temperature=1.0, seed=2))
+    streamed = run_to_end(engine)["s"]
+    assert final_fields(out)[:2] == final_fields(streamed[-1])[:2]
+    assert out.new_token_ids == out.token_ids and out.new_text == out.text
+
+
+def test_stream_outputs_are_snapshots_of_their_step():
+    """Cumulative fields are read lazily from the request's lists, yet each output shows its own step."""
+    engine = make_engine()
+    engine.add_request("a", "the quick brown", SamplingParams(max_tokens=6, temperature=1.0, seed=1, logprobs=1))
+    outs = run_to_end(engine)["a"]
+    for i, out in enumerate(outs):
+        assert out.token_ids == outs[-1].token_ids[:i + 1] and out.completion_tokens == i + 1
+        assert out.logprobs == outs[-1].logprobs[:i + 1]
+        assert out.text == "".join(o.new_text for o in outs[:i + 1])

@@ -2,14 +2,18 @@
 from __future__ import annotations
 
 import math
+import random
 
+import numpy as np
 import pytest
 import torch
 
-from engine.sampler import Sampler, apply_penalties, seeded_uniform
+from engine.sampler import Sampler, SeenTokens, TokenCounts, apply_penalties, seeded_uniform, seeded_uniforms
 from engine.sampling_params import SamplingParams
+from tests.unit.reference_sampler import ReferenceSampler, ban_early_stops
 
 VOCAB = 50
+EOS = 1
 
 
 def make_logits(rows: int, seed: int = 0) -> torch.Tensor:
@@ -189,3 +193,109 @@ def test_logit_bias_values_are_checked_and_stored_sorted():
     for bad in ({1: 101.0}, {-1: 1.0}):
         with pytest.raises(ValueError, match="logit_bias"):
             SamplingParams(logit_bias=bad)
+
+
+def random_params(rng: random.Random, vocab: int) -> SamplingParams:
+    """Every option the reference sampler has, in random combinations; mostly seeded, so rows are comparable."""
+    return SamplingParams(
+        max_tokens=20, temperature=rng.choice([0.0, 0.0, 0.5, 1.0, 1.7]),
+        top_k=rng.choice([0, 0, 1, 5, 40, 256, 300, vocab, vocab + 3]), top_p=rng.choice([1.0, 1.0, 0.3, 0.9, 0.99]),
+        seed=rng.randrange(2**63) if rng.random() < 0.8 else None,
+        repetition_penalty=rng.choice([1.0, 1.0, 1.3, 0.8]), presence_penalty=rng.choice([0.0, 0.0, 0.5, -1.0]),
+        frequency_penalty=rng.choice([0.0, 0.0, 0.4, -0.3]),
+        logit_bias=rng.choice([{}, {}, {rng.randrange(vocab): rng.uniform(-5, 5), vocab + 2: 1.0}]),
+        min_tokens=rng.choice([0, 0, 3, 10]), stop_token_ids=rng.choice([(), (2, 3)]),
+        ignore_eos=rng.random() < 0.3)
+
+
+@pytest.mark.parametrize("trial", range(40))
+def test_batched_sampler_draws_the_reference_tokens(trial):
+    """Random batches mixing every option, over steps whose outputs grow (the batched sampler keeps penalty counts
+    between steps by key): greedy and seeded rows get exactly the reference's tokens, in fp32. Flat rows (scale
+    0.3) send wide top-p nuclei past the first 256 candidates."""
+    rng = random.Random(trial)
+    vocab, rows = rng.choice([50, 300, 1000]), rng.randint(1, 24)
+    params = [random_params(rng, vocab) for _ in range(rows)]
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(1, 20))] for _ in range(rows)]
+    outputs = [[rng.randrange(vocab) for _ in range(rng.randint(0, 5))] for _ in range(rows)]
+    batched, reference = Sampler(seed=1, eos_token_ids=(EOS,)), ReferenceSampler(seed=1)
+    gen = torch.Generator().manual_seed(trial)
+    for _ in range(4):
+        logits = torch.randn(rows, vocab, generator=gen) * rng.choice([0.3, 3.0])  # [rows, vocab]
+        positions = [len(o) for o in outputs]
+        got = batched.sample(logits, params, positions,
+                             [SeenTokens(p, o, f"r{i}") for i, (p, o) in enumerate(zip(prompts, outputs))])
+        want = reference.sample(ban_early_stops(logits, params, positions, (EOS,)), params, positions,
+                                list(zip(prompts, outputs)))
+        comparable = [i for i, p in enumerate(params) if p.greedy or p.seed is not None]
+        assert [got[i] for i in comparable] == [want[i] for i in comparable]
+        for output, token_id in zip(outputs, got):
+            output.append(token_id)
+
+
+def test_vectorised_seeded_uniforms_are_bit_identical_to_the_scalar_ones():
+    rng = random.Random(3)
+    seeds = [0, 1, 2**63 - 1, 2**62 + 12345] + [rng.randrange(2**63) for _ in range(500)]
+    positions = [0, 2**40, 7, 123456] + [rng.randrange(100_000) for _ in range(500)]
+    for stream in (0, 1, 2**32 + 5):
+        got = seeded_uniforms(seeds, positions, stream)
+        assert got.dtype == np.float64
+        assert got.tolist() == [seeded_uniform(s, p, stream) for s, p in zip(seeds, positions)]
+        assert seeded_uniforms(seeds[:3], positions[:3], stream).tolist() == got[:3].tolist()  # the scalar path
+
+
+def seen_pairs(counts: TokenCounts, entries: list[SeenTokens], vocab: int = 6) -> list[tuple[int, int, int]]:
+    pairs = counts.pairs(entries, vocab, torch.device("cpu"))
+    return list(zip(pairs.row.tolist(), pairs.token.tolist(), pairs.count.tolist()))
+
+
+def test_token_counts_grow_with_new_outputs_and_rebuild_for_a_new_list():
+    counts = TokenCounts()
+    prompt, output = [3, 3, 4], [1]
+    assert seen_pairs(counts, [SeenTokens(prompt, output, "a")]) == [(0, 1, 1), (0, 3, 0), (0, 4, 0)]
+    output += [1, 5]
+    assert seen_pairs(counts, [SeenTokens(prompt, output, "a")]) == [(0, 1, 2), (0, 3, 0), (0, 4, 0), (0, 5, 1)]
+    assert seen_pairs(counts, [SeenTokens(prompt, [2], "a")]) == [(0, 2, 1), (0, 3, 0), (0, 4, 0)]  # rebuilt
+    for i in range(20):  # more keys than the first capacity: the table grows
+        seen_pairs(counts, [SeenTokens([0], [i % 6], f"k{i}")])
+    assert counts.num_slots == 21
+    assert seen_pairs(counts, [SeenTokens([0], [5], "k5"), SeenTokens(prompt, [2], "a")]) == \
+        [(0, 0, 0), (0, 5, 1), (1, 2, 1), (1, 3, 0), (1, 4, 0)]
+    counts.release("a")
+    counts.release("never-seen")
+    assert counts.num_slots == 20
+
+
+def test_penalty_counts_persist_by_key_until_released():
+    sampler = Sampler()
+    p = SamplingParams(frequency_penalty=1.0)
+    logits = torch.tensor([[1.0, 1.5, 0.0]])
+    output: list[int] = []
+    for want in (1, 0, 1, 0):
+        token = sampler.sample(logits, [p], [len(output)], [SeenTokens([2], output, "a")])[0]
+        assert token == want
+        output.append(token)
+    assert sampler.token_counts.num_slots == 1
+    sampler.release("a")
+    assert sampler.token_counts.num_slots == 0
+
+
+def test_min_tokens_bans_eos_and_stop_tokens_until_reached():
+    logits = torch.tensor([[0.0, 5.0, 4.0, 3.0]])  # eos (1) is the argmax, then stop token 2
+    sampler = Sampler(eos_token_ids=(EOS,))
+    p = SamplingParams(min_tokens=2, stop_token_ids=(2,))
+    assert [sampler.sample(logits, [p], [n])[0] for n in range(3)] == [3, 3, 1]
+    keep_eos = SamplingParams(min_tokens=2, ignore_eos=True)
+    assert sampler.sample(logits, [keep_eos], [0]) == [1]
+
+
+def test_min_p_drops_tokens_below_a_share_of_the_most_likely():
+    probs = torch.tensor([[0.5, 0.3, 0.12, 0.08]])
+    n = 400
+    for min_p, support in ((0.0, {0, 1, 2, 3}), (0.2, {0, 1, 2}), (0.5, {0, 1}), (1.0, {0})):
+        for extra in ({}, {"top_k": 3}, {"top_p": 0.95}):
+            params = [SamplingParams(temperature=1.0, min_p=min_p, seed=s, **extra) for s in range(n)]
+            tokens = set(Sampler().sample(probs.log().expand(n, 4), params, [0] * n))
+            assert tokens == support - ({3} if "top_k" in extra else set()), (min_p, extra)
+    with pytest.raises(ValueError, match="min_p"):
+        SamplingParams(min_p=1.5)

@@ -239,3 +239,18 @@ def test_integrity_holds_under_random_traffic(ops, budget, chunked):
     while s.has_unfinished():
         run(s, s.schedule())
     assert s.block_manager.num_free_blocks == 12
+
+
+def test_decode_steps_reuse_the_block_table_until_it_grows():
+    """A step's block table is a copy that later steps never change; decode steps within one block hand out the
+    same copy (no per-step copy of every table), a new one once the table grew."""
+    s = make_scheduler()
+    s.add_request(make_request("a", 5))
+    run(s, s.schedule())
+    tables = []
+    for _ in range(4):                       # positions 5, 6, 7 (block 1), then 8 (block 2)
+        step = s.schedule()
+        tables.append(step.batch.seqs[0].block_table)
+        run(s, step)
+    assert tables[0] is tables[1] is tables[2] and tables[0] == [0, 1]
+    assert tables[3] == [0, 1, 2] and tables[0] == [0, 1]
