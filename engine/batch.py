@@ -20,6 +20,7 @@ class ScheduledSeq:
     start_pos: int              # num_computed_tokens before this step
     block_table: list[int]      # block ids covering positions [0, start_pos + len(token_ids))
     num_logits: int = 1         # how many trailing positions need logits (0: a non-final prefill chunk)
+    prompt_len: int = 0         # the request's prompt length (dynamic NTK RoPE rotates a prompt for it); 0: unknown
 
 
 @dataclass(frozen=True)

@@ -77,6 +77,11 @@ class BlockManager:
         self._snapshots: dict[str, list[int]] = {}   # a copy of each table as it last grew (see table_snapshot)
         self._num_committed: dict[str, int] = {}     # leading full blocks already indexed (or hit)
 
+    def salted_root(self, root: bytes | None, salt: str) -> bytes:
+        """A hash root that also covers `salt` (chained like a block of its UTF-8 bytes), for blocks whose KV
+        depends on more than their tokens."""
+        return self._hasher(root or self._hash_root, list(salt.encode()))
+
     @property
     def num_blocks(self) -> int:
         return self.pool.num_blocks

@@ -74,12 +74,19 @@ class LLMEngine:
             prompt = encoded.ids if hasattr(encoded, "ids") else encoded  # `tokenizers.Tokenizer` or ours
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
+        salt = self._prefix_salt(len(prompt))
+        if salt:   # e.g. dynamic NTK past max_position_embeddings: the prompt's KV depends on its length
+            hash_root = self.block_manager.salted_root(hash_root, salt)
         request = Request(request_id, list(prompt), params, hash_root=hash_root)
         self.scheduler.add_request(request)
         # NOTE: a FINAL_ONLY request's text is decoded once at the end, unless stop strings need it every step
         if self.tokenizer is not None and (params.output_kind is RequestOutputKind.CUMULATIVE or params.stop):
             self._detokenizers[request_id] = Detokenizer(self.tokenizer, request.prompt_token_ids, params)
         return request
+
+    def _prefix_salt(self, prompt_len: int) -> str:
+        spec = getattr(self.runner, "spec", None)        # a ModelSpec (tests may run a runner without one)
+        return spec.prefix_cache_salt(prompt_len) if spec is not None else ""
 
     def abort(self, request_id: str) -> bool:
         self._detokenizers.pop(request_id, None)

@@ -188,7 +188,7 @@ class Scheduler:
             else:
                 num_logits = num_new               # every position: each predicts the next prompt token
             seqs.append(ScheduledSeq(request.request_id, request.token_ids[start:start + num_new], start,
-                                     table(request.request_id), num_logits))
+                                     table(request.request_id), num_logits, request.num_prompt_tokens))
             requests.append(request)
         return ScheduledStep(StepBatch(seqs), requests, plan.preempted, plan.preloads)
 

@@ -100,9 +100,9 @@ def _dynamic_per_token(rope: RopeSpec, dim: int, max_pos: int, lengths: torch.Te
 
 def ntk_floor(seq: ScheduledSeq) -> int:
     """L of the module docstring: the length every token of `seq` at a position below it is rotated for."""
-    # NOTE: `prompt_len` is read only if the scheduler provides it (ScheduledSeq.prompt_len, to be added by the
-    # batch's owner); until then a prompt split over several steps is exact only up to max_position_embeddings.
-    return getattr(seq, "prompt_len", 0) or seq.start_pos + len(seq.token_ids)
+    # NOTE: a batch built by hand may leave prompt_len 0: the step's end then stands in for it (exact when the
+    # prompt is computed in one step)
+    return seq.prompt_len or seq.start_pos + len(seq.token_ids)
 
 
 def inv_freq_and_scale(rope: RopeSpec, dim: int, max_pos: int, seq_len: int) -> tuple[torch.Tensor, float]:

@@ -30,17 +30,8 @@ BLOCK = 4
 MAX_POS = 32
 DYNAMIC = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}
 GREEDY_32 = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-# The runner learns a prompt's length L from ScheduledSeq.prompt_len; until the scheduler sends it, a prompt longer
-# than max_position_embeddings is exact only when it is computed in one step.
-SCHEDULER_SENDS_PROMPT_LEN = "prompt_len" in {f.name for f in dataclasses.fields(ScheduledSeq)}
-
-
-@dataclasses.dataclass(frozen=True)
-class PromptSeq(ScheduledSeq):
-    """A scheduled sequence that also says its prompt length (what the scheduler hands the runner for a prompt
-    computed over several steps)."""
-
-    prompt_len: int = 0
+# The runner learns a prompt's length L from ScheduledSeq.prompt_len (the scheduler fills it).
+PromptSeq = ScheduledSeq
 
 
 def make_prompt(n: int, seed: int) -> list[int]:
@@ -128,8 +119,6 @@ def test_chunked_prefill_prefix_hit_and_decode_match_one_forward(checkpoint):
     assert_close(tail, ref[40:45])
 
 
-@pytest.mark.xfail(not SCHEDULER_SENDS_PROMPT_LEN, strict=True,
-                   reason="needs ScheduledSeq.prompt_len filled by the scheduler (request.num_prompt_tokens)")
 def test_engine_chunked_long_prompt_matches_transformers(checkpoint):
     prompt = make_prompt(45, 1)
     llm = LLM(str(checkpoint), num_blocks=128, block_size=BLOCK, enforce_eager=True, max_num_batched_tokens=16)
@@ -143,3 +132,19 @@ def test_prefix_cache_salt_separates_only_what_differs():
     assert dynamic.prefix_cache_salt(MAX_POS) == dynamic.prefix_cache_salt(5) == ""
     assert dynamic.prefix_cache_salt(MAX_POS + 1) != dynamic.prefix_cache_salt(MAX_POS + 2)
     assert parse_spec(config).prefix_cache_salt(1000) == ""
+
+
+def test_a_long_prompt_never_reuses_blocks_cached_for_another_length(checkpoint):
+    """A 50-token prompt sharing its first 40 tokens with an earlier 45-token one (both past max_position_embeddings):
+    the shared blocks' KV was rotated for length 45, so they must not be served to it; the short-prompt prefix
+    cache still works as usual."""
+    first = make_prompt(45, 3)
+    second = first[:40] + make_prompt(10, 4)
+    llm = LLM(str(checkpoint), num_blocks=128, block_size=BLOCK, enforce_eager=True, max_num_batched_tokens=64)
+    llm.generate([first], GREEDY_32)
+    out = llm.generate([second], GREEDY_32)[0]
+    assert out.num_cached_tokens == 0
+    assert out.token_ids == hf_run(checkpoint, second, 32)[0]
+    short = make_prompt(20, 5)
+    llm.generate([short], GREEDY_32)
+    assert llm.generate([short[:16] + make_prompt(4, 6)], GREEDY_32)[0].num_cached_tokens == 16
