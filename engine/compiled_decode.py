@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Callable, NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from engine.attention.backend import AttentionBackend
 from engine.batch import StepBatch

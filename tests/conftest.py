@@ -83,9 +83,16 @@ def write_tokenizer(folder: Path, vocab_words: list[str] = _WORDS) -> None:
 
 
 def build_tiny_checkpoint(name: str, folder: Path, seed: int = 0) -> TinyCheckpoint:
+    cls_name, extra, save_opts = TINY_VARIANTS[name]
+    return build_checkpoint_of(cls_name, extra, folder, seed, save_opts)
+
+
+def build_checkpoint_of(cls_name: str, extra: dict[str, Any], folder: Path, seed: int = 0,
+                        save_opts: dict[str, Any] | None = None) -> TinyCheckpoint:
+    """A tiny random checkpoint of transformers' `cls_name` config with TINY_COMMON + `extra` fields."""
     import torch
     import transformers
-    cls_name, extra, save_opts = TINY_VARIANTS[name]
+    save_opts = save_opts or {}
     config = getattr(transformers, cls_name)(**{**TINY_COMMON, **extra, "bos_token_id": 1, "eos_token_id": 2})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -11,12 +11,12 @@ from tests.e2e.conftest import Cluster
 
 
 @contextmanager
-def own_cluster(config: ServeConfig, name: str,
-                launcher_class: type[LocalLauncher] = LocalLauncher) -> Iterator[Cluster]:
+def own_cluster(config: ServeConfig, name: str, launcher_class: type[LocalLauncher] = LocalLauncher,
+                env: dict[str, str] | None = None) -> Iterator[Cluster]:
     """Started with `launcher_class` (`strata serve`'s launcher by default), its prefixed log in a temporary file."""
     log_path = Path(tempfile.mkstemp(prefix=f"strata-e2e-{name}-", suffix=".log")[1])
     with log_path.open("w") as log:
-        launcher = launcher_class(config, log=log)
+        launcher = launcher_class(config, log=log, env=env)
         try:
             info = launcher.start()
         except Exception:

@@ -9,30 +9,21 @@ import openai
 import pytest
 
 from engine.sampling_params import SamplingParams
-from strata.launcher import LocalLauncher, ServeConfig
+from strata.launcher import ServeConfig
 from strata.llm import LLM
-from tests.e2e.conftest import SMALL_WORKERS, Cluster
+from tests.e2e.conftest import SMALL_WORKERS
+from tests.e2e.own_cluster import own_cluster
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\ndef main():", "class Stack:\n    def push(self, x):",
            "for i in range(10):"]
 
 
 @pytest.fixture(scope="module")
-def compiled_cluster(tmp_path_factory):
-    log_path = tmp_path_factory.mktemp("compiled") / "cluster.log"
+def compiled_cluster():
     config = ServeConfig(prefill=1, decode=1, grpc_port=0, http_port=0, local_prefill_max_tokens=0,
                          ready_timeout_s=900, **SMALL_WORKERS)
-    with log_path.open("w") as log:
-        launcher = LocalLauncher(config, log=log, env={"STRATA_ENFORCE_EAGER": "0"})
-        try:
-            info = launcher.start()
-        except Exception:
-            log.flush()
-            raise RuntimeError(f"the compiled cluster did not start:\n{log_path.read_text()[-6000:]}") from None
-        try:
-            yield Cluster(info, log_path)
-        finally:
-            launcher.stop()
+    with own_cluster(config, "compiled", env={"STRATA_ENFORCE_EAGER": "0"}) as cluster:
+        yield cluster
 
 
 def test_compiled_workers_serve_the_eager_engines_tokens(compiled_cluster):

@@ -23,7 +23,6 @@ from engine.config import CacheConfig, ModelConfig
 from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from strata.llm import LLM
-from tests.conftest import TINY_VARIANTS
 from tests.unit.test_sliding_window import build_checkpoint as build_sliding
 
 ATOL = 1e-4

@@ -8,7 +8,6 @@ keeps the longest length it has seen across calls.
 """
 from __future__ import annotations
 
-import dataclasses
 import random
 from pathlib import Path
 from typing import Any

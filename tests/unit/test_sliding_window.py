@@ -25,7 +25,7 @@ from engine.models.errors import ConfigFieldError
 from engine.models.spec import parse_spec
 from engine.sampling_params import SamplingParams
 from strata.llm import LLM
-from tests.conftest import TINY_COMMON, TinyCheckpoint, _randomize, write_tokenizer
+from tests.conftest import TINY_COMMON, TinyCheckpoint, build_checkpoint_of
 
 ATOL = 1e-4
 BLOCK = 4
@@ -54,14 +54,7 @@ SLIDING = [n for n in NAMES if any(VARIANTS[n][2])]
 
 def build_checkpoint(name: str, folder: Path, seed: int = 0) -> TinyCheckpoint:
     cls_name, extra, _ = VARIANTS[name]
-    config = getattr(transformers, cls_name)(**{**TINY_COMMON, **extra, "bos_token_id": 1, "eos_token_id": 2})
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _randomize(model, seed)
-    model.eval()
-    model.save_pretrained(folder)
-    write_tokenizer(folder)
-    return TinyCheckpoint(folder, model)
+    return build_checkpoint_of(cls_name, extra, folder, seed)
 
 
 def make_tokens(n: int, seed: int) -> list[int]:
