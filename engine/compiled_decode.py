@@ -113,8 +113,11 @@ class GraphAttention(AttentionBackend):
                         .permute(0, 2, 1, 3)[:, :, None] for i in (0, 1))
         # GQA without repeating K/V: a KV head's G query heads are one more broadcast axis. Spelled out as multiply
         # and sum (not SDPA) so the compiler fuses the block gather into the reductions, the softmax running over
-        # the innermost axis (measured per layer, 1 thread, batch 32, 160 keys: 224 us vs SDPA 974 us and 419 us
-        # with the keys axis outermost; 512 keys: 785 vs 4038 us; batch 1, 128 keys: 27 vs 42 us).
+        # the innermost axis. NOTE: measured per layer (1 thread, batch 32, gather + attention compiled alone), this
+        # vs SDPA vs the same with the keys axis outermost: static shapes, 160 keys 224 / 974 / 419 us, 512 keys
+        # 785 / 4038 / 2018; symbolic keys only 278 / 339 / 378 and 1142 / 2483 / 2360; symbolic batch and keys
+        # 463 / 385 / 577 and 2433 / 2988 / 3061; batch 1, 128 keys 27 / 42 / 30. In the whole bundled-model step
+        # the layouts measured within noise of each other (7.7-9.1 ms at batch 32).
         # float32 arithmetic whatever the model dtype (the casts fuse into the loops), as SDPA accumulates.
         queries = q.view(bsz, hkv, hq // hkv, 1, dim).float()                                # [B, Hkv, G, 1, D]
         scores = (queries * keys.float()).sum(-1) * scale + meta.masks[window]               # [B, Hkv, G, S]
