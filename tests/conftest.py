@@ -20,6 +20,8 @@ from kvstore.transfer.nixl import nixl_missing
 # Engines the tests build run eager unless a test asks for the compiled decode step (`enforce_eager=False`): a
 # first compile takes 20-40 s on a CPU. tests/unit/test_compiled_decode.py and the compiled serving test cover it.
 os.environ.setdefault("STRATA_ENFORCE_EAGER", "1")
+# The test process talks gRPC and then forks servers and workers: see the NOTE in strata/launcher.py.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 # NIXL is optional for users; `.ci/run` installs it and sets STRATA_REQUIRE_NIXL=1, so there its tests fail, not skip.
 SKIP_NIXL = nixl_missing() and not os.environ.get("STRATA_REQUIRE_NIXL")
