@@ -124,9 +124,11 @@ class LLMEngine:
         return [final[i] for i in ids]
 
     def _sample(self, step: ScheduledStep, logits: torch.Tensor) -> list[list[int]]:
-        rows = [i for i, seq in enumerate(step.batch.seqs) if seq.num_logits]
-        if logits.shape[0] != len(rows):
-            logits, rows = self._prompt_logprobs(step, logits)  # some sequences have a row per prompt position
+        if any(r.needs_prompt_logprobs for r in step.requests):
+            # rows per prompt position; a sequence samples only where its chunk reaches the end of its tokens
+            logits, rows = self._prompt_logprobs(step, logits)
+        else:
+            rows = [i for i, seq in enumerate(step.batch.seqs) if seq.num_logits]
         requests = [step.requests[i] for i in rows]
         params = [r.params for r in requests]
         # NOTE: keyed by request id, the sampler keeps penalty counts across steps (released when a request ends)

@@ -173,24 +173,15 @@ class Scheduler:
 
     def _build(self, plan: _Plan) -> ScheduledStep:
         seqs: list[ScheduledSeq] = []
-        requests: list[Request] = []
         table = self.block_manager.table_snapshot   # copied only when it grew, never changed afterwards
         for request, num_new in plan.planned.items():
             start = request.num_computed_tokens
             final = start + num_new == request.num_tokens
-            if not request.needs_prompt_logprobs:
-                num_logits = 1 if final else 0     # the last position, to sample from
-            elif num_new == 1 and not final and self.config.max_num_batched_tokens > 1:
-                # NOTE: a one-token prompt chunk would have a single logits row, which the engine cannot tell from
-                # a row to sample from (`LLMEngine._sample` goes by the row count): it waits for the next step,
-                # keeping its slot. Every prompt chunk that runs has >= 2 rows, or is final.
-                continue
-            else:
-                num_logits = num_new               # every position: each predicts the next prompt token
+            # every position of a prompt chunk when its prompt logprobs are wanted, else the last one to sample
+            num_logits = num_new if request.needs_prompt_logprobs else 1 if final else 0
             seqs.append(ScheduledSeq(request.request_id, request.token_ids[start:start + num_new], start,
                                      table(request.request_id), num_logits, request.num_prompt_tokens))
-            requests.append(request)
-        return ScheduledStep(StepBatch(seqs), requests, plan.preempted, plan.preloads)
+        return ScheduledStep(StepBatch(seqs), list(plan.planned), plan.preempted, plan.preloads)
 
     def _usable_preload(self, request: Request, prefix_tokens: int) -> int:
         """Tokens of `request.preloaded_kv` that can be installed: its block must follow the prefix hit exactly and

@@ -33,3 +33,12 @@ def test_prompt_logprobs_equal_unchunked_wherever_the_budget_cuts(ahead):
     assert final.finish_reason == "length" and final.token_ids == want_tokens
     assert final.prompt_logprobs == want_logprobs and len(final.prompt_logprobs) == len(PROMPT)
     assert all(not o.new_token_ids for o in outputs["scored"][:-4])  # prompt chunks: no token sampled
+
+
+def test_prompt_logprobs_with_a_one_token_step_budget():
+    """Every prompt chunk is one token: each single logits row records a prompt logprob, none is sampled from."""
+    want_logprobs, want_tokens = scored_alone()
+    engine = make_engine(budget=1)
+    engine.add_request("scored", PROMPT, SCORED)
+    final = run_to_end(engine)["scored"][-1]
+    assert final.token_ids == want_tokens and final.prompt_logprobs == want_logprobs
