@@ -38,7 +38,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from engine.attention.backend import AttentionBackend
-from engine.batch import StepBatch
+from engine.batch import ScheduledSeq, StepBatch
 from engine.kv_cache import KVCache
 
 ENV_EAGER = "STRATA_ENFORCE_EAGER"
@@ -71,13 +71,6 @@ def _use_disk_cache() -> None:
     elif chosen is None or os.path.abspath(chosen) == os.path.abspath(default_cache_dir()):
         # (torch writes its /tmp default into the environment once anything asked for the cache folder)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path.home() / ".cache" / "strata" / "inductor")
-    import torch._inductor.config as inductor_config
-    inductor_config.fx_graph_cache = True
-    try:
-        import torch._functorch.config as functorch_config
-        functorch_config.enable_autograd_cache = True
-    except (ImportError, AttributeError):   # older torch: the FX graph cache alone
-        pass
 
 
 class GraphMeta(NamedTuple):
@@ -225,7 +218,6 @@ class CompiledDecode:
                log: Callable[[str], None] | None = None) -> None:
         """Compile and run every bucket once through `execute` (the runner's step) on a scratch decode in block 0,
         whose contents are restored after: call before serving."""
-        from engine.batch import ScheduledSeq
         log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         saved = self.cache.tensor[0].clone()
         start = time.perf_counter()
