@@ -112,20 +112,37 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("queue_ms", "prefill_ms", "store_ms", "transfer_ms", "ttft_ms", "decode_ms")
+    __slots__ = ("queue_ms", "prefill_ms", "store_ms", "transfer_ms", "ttft_ms", "decode_ms", "load_lookup_ms", "load_read_ms", "load_verify_ms", "load_install_ms", "blocks_by_tier")
+    class BlocksByTierEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     STORE_MS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     DECODE_MS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_LOOKUP_MS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_READ_MS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_INSTALL_MS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_BY_TIER_FIELD_NUMBER: _ClassVar[int]
     queue_ms: float
     prefill_ms: float
     store_ms: float
     transfer_ms: float
     ttft_ms: float
     decode_ms: float
-    def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., store_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ...) -> None: ...
+    load_lookup_ms: float
+    load_read_ms: float
+    load_verify_ms: float
+    load_install_ms: float
+    blocks_by_tier: _containers.ScalarMap[str, int]
+    def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., store_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., load_lookup_ms: _Optional[float] = ..., load_read_ms: _Optional[float] = ..., load_verify_ms: _Optional[float] = ..., load_install_ms: _Optional[float] = ..., blocks_by_tier: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class KvSpec(_message.Message):
     __slots__ = ("model_fingerprint", "kv_layout", "kv_dtype", "block_size")
