@@ -1,10 +1,14 @@
 """TieredStore (DESIGN §5): one content-addressed view over host → disk → redis → s3.
 
-- `lookup(hashes)`: the longest leading run each tier holds, and which (fastest) tier serves each leading block.
-- `get(hashes, bufs, fingerprint)`: each block from the fastest tier that has it, verified by the codec; a bad copy
-  is a counted checksum failure, deleted, and a slower tier may still serve the block. Hits below host are promoted.
-- `put(items)`: host synchronously (a memcpy); lower tiers by policy in a background thread that never blocks the
-  caller (bounded queue, drop-and-count when full).
+- `lookup(hashes)`: which tier serves each leading block, asking the fastest tier first and a slower tier only
+  about the blocks still missing; the shared tiers (redis, s3) are asked concurrently under `lookup_timeout_s`, so
+  a host hit costs a host lookup whatever else is configured.
+- `get(hashes, bufs, fingerprint, hint)`: each block from the tier `hint` names (the lookup's answer), shared tiers
+  read concurrently, then from any other tier for what is still missing; verified by the codec. A bad copy is a
+  counted checksum failure, deleted, and a slower tier may still serve the block. Hits below host are promoted.
+- `put(items)`: host synchronously (a memcpy); the lower tiers owe the block a write, done in the background by
+  `WriteBehind` (no bytes queued for a write-through: they are read back from host; coalesced, retried, and a
+  write that cannot happen is counted as `dropped`, never lost silently).
 - Eviction from a tier demotes the block into the next tier below (policy "next").
 - Every tier call goes through `_call`: a tier whose reads or writes fail is skipped for that kind of call until its
   backoff passes, and counted; serving goes on with the other tiers.
@@ -15,37 +19,41 @@ import importlib
 import logging
 import threading
 import time
-from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Callable, NamedTuple, Sequence
 
 from kvstore import codec
 from kvstore.config import StoreConfig
 from kvstore.hashing import BlockHash
 from kvstore.store_events import EventSink
-from kvstore.store_policy import BackgroundWriter, TierHealth, WriteTask
+from kvstore.store_policy import TierHealth
 from kvstore.tiers.base import TIER_REGISTRY, Tier, TierFull, TierStats, TierUnavailable
+from kvstore.write_behind import WriteBehind
 
 log = logging.getLogger(__name__)
 
 _STORE_COUNTERS = ("promotions", "demotions", "checksum_failures", "dropped", "skipped", "errors")
+SHARED_TIERS = ("redis", "s3")  # asked concurrently, under a deadline
 
 
 class LookupResult(NamedTuple):
     num_hit_blocks: int  # leading blocks that some tier holds
-    tiers: tuple[str, ...]  # for each of those blocks, the fastest tier that holds it
-    per_tier: dict[str, int]  # longest leading run per tier (0 for a tier that was skipped)
+    tiers: tuple[str, ...]  # for each of those blocks, the fastest tier that holds it (of those asked)
+    per_tier: dict[str, int]  # leading blocks each tier serves (0 for a tier that serves none or was not asked)
 
 
 class GetResult(NamedTuple):
     num_hit_blocks: int  # leading blocks read and verified
     tiers: list[str | None]  # per key: the tier that served it, None for a miss
     blocks: list[codec.DecodedBlock | None]  # per key: verified zero-copy views into the caller's buffer
+    read_s: float = 0.0  # wall seconds reading (all tiers)
+    verify_s: float = 0.0  # seconds verifying the codec (summed over blocks)
 
 
 class PutResult(NamedTuple):
     stored: int  # blocks now in host (new or already there)
-    queued: int  # background writes queued for lower tiers
-    dropped: int  # background writes dropped because the queue was full
+    queued: int  # lower-tier writes now owed in the background
+    dropped: int  # lower-tier writes refused (bound reached); counted as `dropped` on the tier
 
 
 def build_tier(name: str, options: dict) -> Tier:
@@ -70,12 +78,17 @@ class TieredStore:
         self._counters = {n: dict.fromkeys(_STORE_COUNTERS, 0) for n in self._names}
         self._counter_lock = threading.Lock()
         self._events = EventSink(publisher)
+        self._stages = _lookup_stages(self._names)
+        shared = sum(n in SHARED_TIERS for n in self._names)
+        self._io = ThreadPoolExecutor(max(1, shared), thread_name_prefix="strata-store-io") if shared else None
         for name, tier in self._tiers.items():
-            below = self._below(name)
-            tier.eviction_wants_data = (config.demotion == "next" and below is not None
-                                        and below not in config.write_through)
+            tier.eviction_wants_data = self._below(name) is not None and (
+                config.demotion == "next" or bool(config.write_through))
             tier.eviction_listener = lambda key, data, name=name: self._on_evict(name, key, data)
-        self._writer = BackgroundWriter(config.queue_depth, self._handle_writes)
+        self._writer = WriteBehind(self._read_back, self._write_tier, self._dropped,
+                                   max_entries=config.max_pending_writes, max_data_entries=config.queue_depth,
+                                   retry_s=config.backoff_initial_s, max_attempts=config.write_attempts,
+                                   clock=clock)
 
     @property
     def host(self) -> Tier:
@@ -84,62 +97,108 @@ class TieredStore:
     def tier(self, name: str) -> Tier:
         return self._tiers[name]
 
+    @property
+    def tier_names(self) -> tuple[str, ...]:
+        return tuple(self._names)
+
     # Lookup and get -----------------------------------------------------------------------------------------
 
     def lookup(self, hashes: Sequence[BlockHash]) -> LookupResult:
-        held: list[list[bool]] = []
-        per_tier: dict[str, int] = {}
-        for name in self._names:
-            present = self._call(name, "read", self._tiers[name].contains, hashes) or [False] * len(hashes)
-            held.append(present)
-            per_tier[name] = next((i for i, p in enumerate(present) if not p), len(hashes))
-        serving: list[str] = []
-        for i in range(len(hashes)):
-            tier = next((name for name, present in zip(self._names, held) if present[i]), None)
-            if tier is None:
+        """Fastest tier first; each later stage is asked only about the blocks no faster tier holds."""
+        serving: list[str | None] = [None] * len(hashes)
+        pending = list(range(len(hashes)))
+        for stage in self._stages:
+            if not pending:
                 break
-            serving.append(tier)
-        return LookupResult(len(serving), tuple(serving), per_tier)
+            keys = [hashes[i] for i in pending]
+            answers = self._ask(stage, "contains", keys)
+            for name in stage:  # stage order is fastest first
+                present = answers.get(name)
+                for i, p in zip(pending, present or ()):
+                    if p and serving[i] is None:
+                        serving[i] = name
+            pending = [i for i in pending if serving[i] is None]
+        leading = next((i for i, t in enumerate(serving) if t is None), len(hashes))
+        tiers = tuple(serving[:leading])
+        return LookupResult(leading, tiers, {n: tiers.count(n) for n in self._names})
 
-    def get(self, hashes: Sequence[BlockHash], bufs: Sequence[memoryview | bytearray],
-            fingerprint: bytes) -> GetResult:
-        """Read and verify blocks into `bufs` (each at least the encoded block size)."""
+    def _ask(self, stage: tuple[str, ...], method: str, *args: Any) -> dict[str, Any]:
+        """`method(*args)` on each tier of a stage (shared tiers concurrently, under `lookup_timeout_s`); a tier
+        that failed, was skipped or did not answer in time is absent from the answer."""
+        if self._io is None or not any(n in SHARED_TIERS for n in stage):
+            out = {n: self._call(n, "read", getattr(self._tiers[n], method), *args) for n in stage}
+            return {n: v for n, v in out.items() if v is not None}
+        futures = {n: self._io.submit(self._call, n, "read", getattr(self._tiers[n], method), *args) for n in stage}
+        wait(futures.values(), timeout=self.config.lookup_timeout_s)
+        out = {}
+        for name, future in futures.items():
+            if not future.done():
+                log.warning("%s tier: %s did not answer within %.2fs; treated as a miss", name, method,
+                            self.config.lookup_timeout_s)
+                self._count(name, skipped=1)
+            elif future.result() is not None:
+                out[name] = future.result()
+        return out
+
+    def get(self, hashes: Sequence[BlockHash], bufs: Sequence[memoryview | bytearray], fingerprint: bytes,
+            hint: Sequence[str | None] | None = None) -> GetResult:
+        """Read and verify blocks into `bufs` (each at least the encoded block size). `hint` (a lookup's `tiers`)
+        says which tier to read each leading block from first; without it every tier is tried, fastest first."""
         if len(hashes) != len(bufs):
             raise ValueError(f"got {len(hashes)} hashes but {len(bufs)} buffers")
+        started = time.perf_counter()
         views = [memoryview(b).cast("B") for b in bufs]
         served: list[str | None] = [None] * len(hashes)
         blocks: list[codec.DecodedBlock | None] = [None] * len(hashes)
-        pending = list(range(len(hashes)))
+        verify_s = [0.0]
+        if hint:
+            self._get_hinted(hashes, views, fingerprint, hint, served, blocks, verify_s)
         for name in self._names:
-            if pending:
-                pending = self._get_from(name, hashes, views, fingerprint, pending, served, blocks)
+            pending = [i for i, t in enumerate(served) if t is None]
+            if not pending:
+                break
+            self._get_from(name, hashes, views, fingerprint, pending, served, blocks, verify_s)
+        read_s = time.perf_counter() - started - verify_s[0]
         self._promote(hashes, views, served, blocks)
         leading = next((i for i, t in enumerate(served) if t is None), len(hashes))
-        return GetResult(leading, served, blocks)
+        return GetResult(leading, served, blocks, read_s, verify_s[0])
+
+    def _get_hinted(self, hashes, views, fingerprint, hint, served, blocks, verify_s) -> None:
+        """First pass of `get`: each hinted group from its tier; the shared tiers' groups concurrently."""
+        groups: dict[str, list[int]] = {}
+        for i, name in enumerate(hint[:len(hashes)]):
+            if name in self._tiers:
+                groups.setdefault(name, []).append(i)
+        remote = [n for n in groups if n in SHARED_TIERS and self._io is not None]
+        futures = [self._io.submit(self._get_from, n, hashes, views, fingerprint, groups[n], served, blocks,
+                                   verify_s) for n in remote]
+        for name in groups:
+            if name not in remote:
+                self._get_from(name, hashes, views, fingerprint, groups[name], served, blocks, verify_s)
+        for future in futures:
+            future.result()  # NOTE: each group writes only its own indices of served/blocks
 
     def _get_from(self, name: str, hashes: Sequence[BlockHash], views: list[memoryview], fingerprint: bytes,
-                  pending: list[int], served: list, blocks: list) -> list[int]:
-        """Serve what `name` can of `pending`; the indices still missing."""
+                  pending: list[int], served: list, blocks: list, verify_s: list[float]) -> None:
+        """Serve what `name` can of `pending` into `served` / `blocks`."""
         sizes = self._call(name, "read", self._tiers[name].get,
                            [hashes[i] for i in pending], [views[i] for i in pending])
         if sizes is None:
-            return pending
-        missing = []
+            return
+        started = time.perf_counter()
         for i, size in zip(pending, sizes):
+            if size is None:
+                continue
             try:
-                if size is None:
-                    raise KeyError
                 blocks[i] = codec.decode(views[i][:size], fingerprint, hashes[i])
                 served[i] = name
-            except KeyError:
-                missing.append(i)
             except codec.CorruptBlock as exc:
                 log.warning("%s tier: dropping bad copy of %s: %s", name, bytes(hashes[i]).hex(), exc)
                 self._count(name, checksum_failures=1)
                 if self._call(name, "read", self._tiers[name].delete, [hashes[i]]):
                     self._events.removed(name, [hashes[i]])
-                missing.append(i)
-        return missing
+        with self._counter_lock:
+            verify_s[0] += time.perf_counter() - started
 
     def _promote(self, hashes: Sequence[BlockHash], views: list[memoryview], served: list, blocks: list) -> None:
         if not self.config.promote_on_hit:
@@ -152,28 +211,35 @@ class TieredStore:
     # Put ----------------------------------------------------------------------------------------------------
 
     def put(self, items: Sequence[tuple[BlockHash, bytes | memoryview]]) -> PutResult:
-        """Store encoded blocks (`codec.encode`). Host now; lower tiers in the background by policy."""
+        """Store encoded blocks (`codec.encode`). Host now; each block new to host owes a write to every
+        write-through tier (or, when host cannot take it, a demotion below), done in the background."""
         checked = [(bytes(key), _checked_block(key, data)) for key, data in items]
+        held = self._call("host", "read", self.host.contains, [k for k, _ in checked]) or [False] * len(checked)
         in_host = self._put_host(checked)
         queued = dropped = 0
-        for (key, data), ok in zip(checked, in_host):
-            for task in self._background_tasks(key, data, ok):
-                if self._writer.submit(task):
-                    queued += 1
-                else:
-                    dropped += 1
-                    self._count(task.tier if task.kind == "write_through" else self._below("host"), dropped=1)
+        for (key, data), was_held, ok in zip(checked, held, in_host):
+            if was_held:
+                continue  # its lower-tier writes were owed when it first came in
+            tiers, carried = self._owed(data, ok)
+            if not tiers:
+                continue
+            if self._writer.submit(key, tiers, carried, demotion=not self.config.write_through):
+                queued += len(tiers)
+            else:
+                dropped += len(tiers)
+                for tier in tiers:
+                    self._count(tier, dropped=1)
         return PutResult(sum(in_host), queued, dropped)
 
-    def _background_tasks(self, key: bytes, data: bytes | memoryview, in_host: bool) -> list[WriteTask]:
-        targets = [("write_through", name) for name in self.config.write_through]
-        below = self._below("host")
-        if not in_host and self.config.demotion == "next" and below and below not in self.config.write_through:
-            targets.append(("demote", "host"))  # host could not take it: it goes straight below
-        if not targets:
-            return []
+    def _owed(self, data: bytes | memoryview, in_host: bool) -> tuple[tuple[str, ...], bytes | None]:
+        """The tiers a block new to host owes a write to, and the bytes to carry (None: read back from host)."""
+        if in_host:
+            return tuple(self.config.write_through), None
         owned = data if isinstance(data, bytes) else bytes(data)  # the caller may reuse its buffer once we return
-        return [WriteTask(kind, tier, key, owned) for kind, tier in targets]
+        if self.config.write_through:
+            return tuple(self.config.write_through), owned
+        below = self._demotion_target("host") if self.config.demotion == "next" else None
+        return ((below,), owned) if below else ((), None)
 
     def _put_host(self, items: list[tuple[bytes, bytes | memoryview]], counter: str | None = None) -> list[bool]:
         stored = self._call("host", "write", self.host.put, items) or [False] * len(items)
@@ -184,35 +250,53 @@ class TieredStore:
         return stored
 
     def _on_evict(self, name: str, key: BlockHash, data: bytes | memoryview | None) -> None:
-        """Called by a tier, under its lock, as it evicts `key`: publish, and queue the demotion (copying data)."""
+        """Called by a tier, under its lock, as it evicts `key`: publish; hand the bytes to a write still owed
+        (write-through reads them back from host, which is letting them go), or queue the demotion below."""
         self._events.removed(name, [key])
-        if data is not None and not self._writer.submit(WriteTask("demote", name, bytes(key), bytes(data))):
-            self._count(self._below(name) or name, dropped=1)
+        if data is None:
+            return
+        key = bytes(key)
+        if name == "host" and self._writer.owes(key):
+            self._writer.attach(key, bytes(data))
+            return
+        below = self._below(name)
+        if self.config.demotion != "next" or below is None or below in self.config.write_through:
+            return
+        target = self._demotion_target(name)
+        if target is not None and not self._writer.submit(key, (target,), bytes(data), demotion=True):
+            self._count(target, dropped=1)
 
-    def _handle_writes(self, tasks: list[WriteTask]) -> None:
-        """Background thread: group tasks by target tier and write each group in one batched put."""
-        groups: dict[str, list[WriteTask]] = defaultdict(list)
-        for task in tasks:
-            target = task.tier if task.kind == "write_through" else self._demotion_target(task.tier)
-            if target is not None:
-                groups[target].append(task)
-        for target, group in groups.items():
-            group = self._skip_held_demotions(target, group)
-            stored = self._call(target, "write", self._tiers[target].put, [(t.key, t.data) for t in group])
-            if stored is None:
-                continue
-            done = [t for t, ok in zip(group, stored) if ok]
-            self._count(target, demotions=sum(t.kind == "demote" for t in done))
-            self._events.stored(target, [(t.key, t.data) for t in done])
+    def _read_back(self, keys: list[bytes]) -> list[bytes | None]:
+        """Writer thread: the bytes of blocks owed a write-through, from host (uncounted: not a cache hit)."""
+        peek = getattr(self.host, "peek", None)
+        if peek is None:
+            return [None] * len(keys)
+        return self._call("host", "read", peek, keys) or [None] * len(keys)
 
-    def _skip_held_demotions(self, target: str, group: list[WriteTask]) -> list[WriteTask]:
+    def _write_tier(self, target: str, items: list[tuple[bytes, bytes, bool]]) -> list[bool] | None:
+        """Writer thread: one batched put into `target`; None when the tier is unavailable (retried later)."""
+        todo = self._skip_held_demotions(target, items)
+        stored = self._call(target, "write", self._tiers[target].put, [(k, d) for k, d, _ in todo]) if todo else []
+        if stored is None:
+            return None
+        done = [item for item, ok in zip(todo, stored) if ok]
+        self._count(target, demotions=sum(demotion for _, _, demotion in done))
+        self._events.stored(target, [(k, d) for k, d, _ in done])
+        written, tried = {k for k, _, _ in done}, {k for k, _, _ in todo}
+        return [k in written or k not in tried for k, _, _ in items]  # a skipped demotion is already there
+
+    def _skip_held_demotions(self, target: str, items: list[tuple[bytes, bytes, bool]]) -> list:
         """Demotions of blocks `target` already holds (written through earlier) are neither written nor counted."""
-        if not any(t.kind == "demote" for t in group):
-            return group
-        held = self._call(target, "read", self._tiers[target].contains, [t.key for t in group])
+        if not any(demotion for _, _, demotion in items):
+            return items
+        held = self._call(target, "read", self._tiers[target].contains, [k for k, _, _ in items])
         if held is None:
-            return group
-        return [t for t, h in zip(group, held) if not (h and t.kind == "demote")]
+            return items
+        return [item for item, h in zip(items, held) if not (h and item[2])]
+
+    def _dropped(self, tier: str, n: int) -> None:
+        log.warning("%s tier: %d block write(s) dropped", tier, n)
+        self._count(tier, dropped=n)
 
     def _below(self, name: str) -> str | None:
         i = self._names.index(name)
@@ -290,6 +374,8 @@ class TieredStore:
 
     def close(self) -> None:
         self._writer.close()
+        if self._io is not None:
+            self._io.shutdown(wait=False, cancel_futures=True)
         for tier in self._tiers.values():
             tier.close()
 
@@ -298,6 +384,13 @@ class TieredStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _lookup_stages(names: list[str]) -> list[tuple[str, ...]]:
+    """Local tiers one at a time, fastest first; then the shared tiers together (asked concurrently)."""
+    stages = [(n,) for n in names if n not in SHARED_TIERS]
+    shared = tuple(n for n in names if n in SHARED_TIERS)
+    return stages + ([shared] if shared else [])
 
 
 def _checked_block(key: BlockHash, data: bytes | memoryview) -> bytes | memoryview:

@@ -90,6 +90,16 @@ class HostTier(Tier):
         self._observe("get", started, hits=hits, misses=len(out) - hits, bytes_read=nbytes)
         return out
 
+    def peek(self, keys: Sequence[BlockHash]) -> list[bytes | None]:
+        """Copies of the objects, or None for a miss; not a cache hit (no counters, no LRU refresh). The store's
+        write-behind reads blocks back with it to write them to the lower tiers."""
+        with self._lock:
+            out = []
+            for key in keys:
+                slot = self._lru.get(bytes(key))
+                out.append(None if slot is None else bytes(self._segment.slot_data(slot, self._segment.length(slot))))
+            return out
+
     def put(self, items: Sequence[tuple[BlockHash, bytes | memoryview]]) -> list[bool]:
         started, out, nbytes = time.perf_counter(), [], 0
         with self._lock:

@@ -49,9 +49,12 @@ def test_four_tiers_lookup_get_and_promote(tmp_path, redis_server, redis_key_pre
     with TieredStore(config) as store:
         store.put(items(0, 1, 2, 3))
         assert store.flush(30)
-        assert store.lookup(HASHES[:5]).per_tier == {"host": 4, "disk": 0, "redis": 4, "s3": 4}
+        assert store.lookup(HASHES[:5]).per_tier == {"host": 4, "disk": 0, "redis": 0, "s3": 0}
+        assert store.tier("redis").contains(HASHES[:5]) == store.tier("s3").contains(HASHES[:5]) == [True] * 4 + [False]
         store.tier("host").clear()
         store.tier("redis").delete(HASHES[2:4])  # blocks 2 and 3 now live only in S3
+        found = store.lookup(HASHES[:5])
+        assert found.tiers == ("redis", "redis", "s3", "s3") and found.per_tier["s3"] == 2
         result = get(store, 0, 1, 2, 3, 4)
         assert result.tiers == ["redis", "redis", "s3", "s3", None] and result.num_hit_blocks == 4
         assert [bytes(b.payload[:1]) for b in result.blocks[:4]] == [b"\x01", b"\x02", b"\x03", b"\x04"]

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from kvstore import codec
-from kvstore.config import DiskTierConfig, HostTierConfig, StoreConfig
+from kvstore.config import DiskTierConfig, HostTierConfig, RedisTierConfig, StoreConfig
 from kvstore.hashing import Namespace, hash_blocks
 from kvstore.store import TieredStore
 from kvstore.tiers.base import Tier
@@ -105,11 +105,15 @@ class FakeClock:
 
 def make_store(tmp_path, host_slots: int = 8, disk_blocks: int = 100, remote: MemoryTier | None = None,
                publisher=None, clock=time.monotonic, **policy) -> TieredStore:
+    """`remote` stands in as tier "remote"; as "redis" (a shared tier the config may write through to) when
+    `write_through` names it."""
+    shared = "redis" in policy.get("write_through", ())
     config = StoreConfig(host=HostTierConfig(capacity_bytes=host_slots * SLOT, slot_bytes=SLOT),
-                         disk=DiskTierConfig(str(tmp_path / "disk"), capacity_bytes=disk_blocks * SIZE), **policy)
+                         disk=DiskTierConfig(str(tmp_path / "disk"), capacity_bytes=disk_blocks * SIZE),
+                         redis=RedisTierConfig() if shared else None, **policy)
     tiers = {"host": HostTier(**config.tier_options("host")), "disk": DiskTier(**config.tier_options("disk"))}
     if remote is not None:
-        tiers["remote"] = remote
+        tiers["redis" if shared else "remote"] = remote
     return TieredStore(config, publisher, tiers=tiers, clock=clock)
 
 
@@ -124,19 +128,51 @@ def test_store_built_from_config_alone(tmp_path):
     with TieredStore(config) as store:
         store.put(items(0, 1))
         assert store.flush()
-        assert store.lookup(HASHES[:3]) == ((2, ("host", "host"), {"host": 2, "disk": 2}))
+        assert store.lookup(HASHES[:3]) == ((2, ("host", "host"), {"host": 2, "disk": 0}))
+        assert store.tier("disk").contains(HASHES[:3]) == [True, True, False]
 
 
-def test_lookup_gives_each_tiers_leading_run_and_the_fastest_tier_per_block(tmp_path):
+def test_lookup_gives_the_fastest_tier_per_block_asking_slower_tiers_only_for_the_missing_ones(tmp_path):
     remote = MemoryTier()
+    asked: list[list[bytes]] = []
+    contains = remote.contains
+    remote.contains = lambda keys: asked.append(list(keys)) or contains(keys)
     with make_store(tmp_path, remote=remote) as store:
         store.put(items(0, 1))
         store.tier("disk").put(items(1, 2, 3, 6))
         remote.put(items(0, 1, 2, 3, 4))
         result = store.lookup(HASHES[:8])
-        assert result.per_tier == {"host": 2, "disk": 0, "remote": 5}
+        assert result.per_tier == {"host": 2, "disk": 2, "remote": 1}
         assert result.num_hit_blocks == 5
         assert result.tiers == ("host", "host", "disk", "disk", "remote")
+        assert asked == [[HASHES[4], HASHES[5], HASHES[7]]]  # neither host's nor disk's blocks
+
+
+def test_a_host_hit_never_asks_a_slower_tier(tmp_path):
+    remote = MemoryTier()
+    remote.delay_s = 0.5  # a slow shared tier: a host hit must not wait for it
+    with make_store(tmp_path, remote=remote) as store:
+        store.put(items(0, 1, 2))
+        calls = remote.calls
+        result = store.lookup(HASHES[:3])
+        got = store.get(HASHES[:3], [bytearray(SIZE) for _ in range(3)], FP, hint=result.tiers)
+        assert result.tiers == ("host",) * 3 and got.tiers == ["host"] * 3
+        assert remote.calls == calls
+
+
+def test_a_shared_tier_that_does_not_answer_in_time_is_a_miss(tmp_path):
+    remote = MemoryTier()
+    remote.name = "redis"  # a shared tier: asked under the lookup deadline
+    config = StoreConfig(host=HostTierConfig(capacity_bytes=8 * SLOT, slot_bytes=SLOT), lookup_timeout_s=0.2)
+    with TieredStore(config, tiers={"host": HostTier(**config.tier_options("host")), "redis": remote}) as store:
+        remote.put(items(0))
+        remote.delay_s = 3.0
+        started = time.perf_counter()
+        result = store.lookup(HASHES[:1])
+        assert result.num_hit_blocks == 0
+        assert time.perf_counter() - started < 2.5  # the deadline, not the tier's 3 s
+        assert store.stats()["redis"].skipped == 1
+        remote.delay_s = 0.0
 
 
 def test_get_reads_the_fastest_copy_and_promotes_slower_hits_into_host(tmp_path):
@@ -207,18 +243,73 @@ def test_write_through_copies_every_put_to_lower_tiers_in_the_background(tmp_pat
         assert remote.data == {}
 
 
-def test_background_puts_never_block_and_overflow_is_dropped_and_counted(tmp_path):
+def test_background_writes_never_block_and_a_long_prompt_reaches_every_tier(tmp_path):
+    """Write-through owes each block a write without queueing its bytes: 200 blocks at once (far past
+    `queue_depth`) all land in every lower tier, and a slow tier never slows the caller."""
     remote = MemoryTier()
-    remote.delay_s = 0.2  # a slow remote: the caller must not feel it
-    with make_store(tmp_path, host_slots=64, remote=remote, write_through=("disk",), queue_depth=4) as store:
+    remote.delay_s = 0.05  # per batched call: a slow remote the caller must not feel
+    with make_store(tmp_path, host_slots=256, disk_blocks=256, remote=remote, write_through=("disk", "redis"),
+                    queue_depth=4) as store:
         started = time.perf_counter()
+        result = store.put(items(*range(64)))
+        assert time.perf_counter() - started < 2.0
+        assert (result.stored, result.queued, result.dropped) == (64, 128, 0)
+        assert store.flush(30)
+        assert store.tier("disk").contains(HASHES[:64]) == [True] * 64
+        assert set(remote.data) == set(HASHES[:64])
+        assert all(s.dropped == 0 for s in store.stats().values())
+
+
+def test_a_block_host_evicts_before_its_write_through_still_lands_below(tmp_path):
+    remote = MemoryTier()
+    remote.delay_s = 0.3
+    with make_store(tmp_path, host_slots=2, remote=remote, write_through=("redis",)) as store:
+        for i in range(6):  # host keeps 2: the rest are evicted while their write-through is still owed
+            store.put(items(i))
+        assert store.flush(30)
+        assert set(remote.data) == set(HASHES[:6])
+        assert store.stats()["redis"].dropped == 0
+
+
+def test_a_write_the_bound_refuses_is_counted_dropped_and_visible(tmp_path):
+    remote = MemoryTier()
+    remote.delay_s = 0.5
+    with make_store(tmp_path, host_slots=64, remote=remote, write_through=("redis",),
+                    max_pending_writes=4) as store:
         results = [store.put(items(i)) for i in range(40)]
-        elapsed = time.perf_counter() - started
-        assert elapsed < 2.0, f"40 puts took {elapsed:.2f}s"  # blocking on the remote would take ~7 s
         dropped = sum(r.dropped for r in results)
         assert dropped > 0 and sum(r.queued for r in results) + dropped == 40
-        assert store.stats()["disk"].dropped == dropped
+        assert store.flush(30)
+        assert store.stats()["redis"].dropped == dropped
+        assert len(remote.data) == 40 - dropped
         assert store.tier("host").contains(HASHES[:40]) == [True] * 40  # host always got every block
+
+
+def test_a_write_to_a_tier_that_is_down_is_retried_when_it_returns(tmp_path):
+    remote, clock = MemoryTier(), FakeClock()
+    with make_store(tmp_path, remote=remote, write_through=("redis",), clock=clock, backoff_initial_s=1.0) as store:
+        remote.down = True
+        store.put(items(0, 1))
+        assert store.flush()
+        assert store.pending_writes() == 2 and remote.data == {}  # owed, waiting out the backoff
+        remote.down = False
+        clock.now += 1.0
+        assert store.flush()
+        assert set(remote.data) == set(HASHES[:2]) and store.pending_writes() == 0
+        assert store.stats()["redis"].dropped == 0
+
+
+def test_a_write_that_fails_every_attempt_is_counted_dropped(tmp_path):
+    remote, clock = MemoryTier(), FakeClock()
+    with make_store(tmp_path, remote=remote, write_through=("redis",), clock=clock, backoff_initial_s=1.0,
+                    backoff_max_s=1.0, write_attempts=3) as store:
+        remote.down = True
+        store.put(items(0))
+        for _ in range(4):
+            assert store.flush()
+            clock.now += 10.0
+        assert store.flush() and store.pending_writes() == 0
+        assert store.stats()["redis"].dropped == 1
 
 
 def test_unhealthy_tier_is_skipped_then_retried_with_exponential_backoff(tmp_path):
@@ -260,7 +351,7 @@ def test_writes_and_reads_back_off_separately(tmp_path):
         assert get(store, 0).tiers == ["disk"]
 
 
-def test_real_disk_failure_is_skipped_and_recovers_after_backoff(tmp_path):
+def test_real_disk_failure_is_retried_after_backoff_and_recovers(tmp_path):
     clock = FakeClock()
     with make_store(tmp_path, write_through=("disk",), clock=clock, backoff_initial_s=1.0) as store:
         shard = tmp_path / "disk" / HASHES[0].hex()[:2]
@@ -268,13 +359,12 @@ def test_real_disk_failure_is_skipped_and_recovers_after_backoff(tmp_path):
         shard.write_bytes(b"in the way")  # a file where the shard directory must be: writes fail for real
         store.put(items(0))
         assert store.flush() and not store.stats()["disk"].healthy
-        store.put(items(0))  # within the backoff: skipped, not tried
-        assert store.flush() and store.stats()["disk"].skipped == 1
+        assert store.pending_writes() == 1  # owed again after the backoff, not lost
         os.unlink(shard)  # repaired: the tier recreates the directory on its next write
         clock.now += 1.0
-        store.put(items(0))
         assert store.flush()
         assert store.stats()["disk"].healthy and store.tier("disk").contains(HASHES[:1]) == [True]
+        assert store.stats()["disk"].dropped == 0
 
 
 def test_bad_copy_in_host_is_deleted_and_the_disk_copy_is_served(tmp_path):
