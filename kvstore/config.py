@@ -70,16 +70,22 @@ class RedisTierConfig:
 
 @dataclass(frozen=True)
 class S3TierConfig:
-    """Any S3-compatible store; credentials come from the usual boto3 places."""
+    """Any S3-compatible store; credentials come from the usual boto3 places.
+
+    `layout`: "pack" (default) stores each batch of blocks as one object and reads a prefix with a few ranged GETs;
+    "block" stores one object per block (see kvstore/tiers/s3.py).
+    """
 
     bucket: str
     prefix: str = "strata/kv/"
     endpoint_url: str = ""
     region: str = ""
     create_bucket: bool = False
+    layout: str = "pack"
 
     def __post_init__(self) -> None:
         _require(3 <= len(self.bucket) <= 63, f"s3.bucket must be 3 to 63 characters, got {self.bucket!r}")
+        _require(self.layout in ("pack", "block"), f"s3.layout must be 'pack' or 'block', got {self.layout!r}")
         _require(not self.endpoint_url or self.endpoint_url.startswith(("http://", "https://")),
                  f"s3.endpoint_url must be empty or start with http:// or https://, got {self.endpoint_url!r}")
 
@@ -91,7 +97,12 @@ class StoreConfig:
     - `write_through`: lower tiers that every put also goes to, in the background (host is always written).
     - `demotion`: "next" moves a block evicted from a tier into the next configured tier below; "none" drops it.
     - `promote_on_hit`: a hit in a slower tier is copied into host.
-    - `queue_depth`: background writes waiting at most; a put beyond it is dropped and counted, never blocks.
+    - `queue_depth`: owed background writes that carry their bytes (demotions, blocks host could not keep) at
+      most; one beyond it is dropped and counted, never blocks. Write-through carries no bytes (read back from host).
+    - `max_pending_writes`: blocks owing a background write at most (keys only); beyond it a write is counted dropped.
+    - `write_attempts`: tries of a background write to an unavailable tier (backing off) before it counts as dropped.
+    - `lookup_timeout_s`: how long a lookup or read waits for the shared tiers (redis, s3) before treating a tier
+      that has not answered as a miss.
     - `backoff_initial_s` / `backoff_max_s`: an unhealthy tier is retried after this, doubling up to the max.
     """
 
@@ -103,6 +114,9 @@ class StoreConfig:
     demotion: str = "next"
     promote_on_hit: bool = True
     queue_depth: int = 256
+    max_pending_writes: int = 1 << 20
+    write_attempts: int = 6
+    lookup_timeout_s: float = 2.0
     backoff_initial_s: float = 0.5
     backoff_max_s: float = 30.0
 
@@ -114,6 +128,9 @@ class StoreConfig:
         _require(self.demotion in DEMOTION_POLICIES, f"demotion must be one of {DEMOTION_POLICIES}, "
                  f"got {self.demotion!r}")
         _require(1 <= self.queue_depth <= 1 << 20, f"queue_depth must be in [1, 1048576], got {self.queue_depth}")
+        _require(1 <= self.max_pending_writes, f"max_pending_writes must be >= 1, got {self.max_pending_writes}")
+        _require(1 <= self.write_attempts, f"write_attempts must be >= 1, got {self.write_attempts}")
+        _require(self.lookup_timeout_s > 0, f"lookup_timeout_s must be > 0, got {self.lookup_timeout_s}")
         _require(0 < self.backoff_initial_s <= self.backoff_max_s,
                  f"need 0 < backoff_initial_s <= backoff_max_s, got {self.backoff_initial_s}, {self.backoff_max_s}")
 
