@@ -3,9 +3,12 @@
 Each talks to the router's gRPC API (`--router`, or `STRATA_ROUTER`, default 127.0.0.1:50051).
 
     strata cache stats [--worker W] [--tier T] [--json] [--watch SECONDS]
-    strata cache evict --worker W [--tier T] (--bytes N | --hash HEX ...) [--demote]
+    strata cache evict [--worker W] [--tier T] (--bytes N | --hash HEX ... | --hashes-from FILE) [--demote]
     strata cache flush [--worker W] [--tier T] [--yes]
     strata workers [--role prefill|decode] [--all] [--json]
+
+Evict and flush on a shared tier (redis, s3) act once, through one worker (the result names it, `shared`), not once
+per worker. Their deadline grows with the number of hashes (`--timeout` overrides it).
 """
 from __future__ import annotations
 
@@ -30,9 +33,19 @@ def _console():
     return Console() if sys.stdout.isatty() else Console(width=200)
 
 
-def _client(router: Optional[str]):
+_TIMEOUT_HELP = "deadline in seconds (default: {})"
+FLUSH_TIMEOUT_S = 300.0
+
+
+def evict_timeout_s(num_hashes: int) -> float:
+    """EvictCache's deadline: a minute (the device tier waits for the engine thread), plus 20 ms a hash (a
+    remote tier's round trips, S3 the slowest; 2,000 hashes: 100 s)."""
+    return 60.0 + 0.02 * num_hashes
+
+
+def _client(router: Optional[str], timeout_s: float = 10.0):
     from strata.client import StrataClient
-    return StrataClient(router, timeout_s=10.0)
+    return StrataClient(router, timeout_s=timeout_s)
 
 
 def _fail(exc: Exception, router: Optional[str]) -> None:
@@ -69,14 +82,15 @@ def tier_dict(tier) -> dict[str, Any]:
 def stats_dict(workers: Iterable, router: str) -> dict[str, Any]:
     rows = []
     totals = {k: 0 for k in ("hit_blocks", "miss_blocks", "hit_tokens", "miss_tokens", "bytes_read",
-                             "bytes_written", "evictions", "promotions", "errors")}
+                             "bytes_written", "evictions", "promotions", "errors", "dropped")}
     for w in workers:
         tiers = [tier_dict(t) for t in w.tiers]
         for t in tiers:
             for k in totals:
                 totals[k] += t[k]
         rows.append({"worker_id": w.worker_id, "error": w.error, "collected_at_unix_ms": w.collected_at_unix_ms,
-                     "tiers": tiers})
+                     "pending_writes": w.pending_writes, "tiers": tiers})
+    totals["pending_writes"] = sum(r["pending_writes"] for r in rows)
     totals["hit_rate_blocks"] = _rate(totals["hit_blocks"], totals["miss_blocks"])
     totals["hit_rate_tokens"] = _rate(totals["hit_tokens"], totals["miss_tokens"])
     return {"router": router, "workers": rows, "totals": totals}
@@ -97,20 +111,23 @@ def _pct(rate: float | None) -> str:
 def stats_table(data: dict[str, Any]):
     from rich.table import Table
 
-    table = Table(title=f"KV cache tiers (router {data['router']})", title_justify="left")
-    for col in ("worker", "tier", "capacity", "used", "blocks", "hit% blk", "hit% tok", "in", "out", "evict",
-                "promo", "errors", "get p50/p99 ms", "put p50/p99 ms", "healthy"):
+    pending = ", ".join(f"{w['worker_id']} {w['pending_writes']}" for w in data["workers"] if not w["error"])
+    table = Table(title=f"KV cache tiers (router {data['router']})", title_justify="left",
+                  caption=f"pending background writes: {pending or '-'}", caption_justify="left")
+    columns = ("worker", "tier", "capacity", "used", "blocks", "hit% blk", "hit% tok", "in", "out", "evict",
+               "promo", "errors", "dropped", "get p50/p99 ms", "put p50/p99 ms", "healthy")
+    for col in columns:
         table.add_column(col, justify="left" if col in ("worker", "tier") else "right")
     for w in data["workers"]:
         if w["error"]:
-            table.add_row(w["worker_id"], "-", *["-"] * 12, f"[red]{w['error']}[/red]")
+            table.add_row(w["worker_id"], "-", *["-"] * (len(columns) - 3), f"[red]{w['error']}[/red]")
             continue
         for t in w["tiers"]:
             table.add_row(
                 w["worker_id"], t["tier"] + (" (shared)" if t["shared"] else ""), _size(t["capacity_bytes"]),
                 _size(t["used_bytes"]), str(t["blocks"]), _pct(t["hit_rate_blocks"]), _pct(t["hit_rate_tokens"]),
                 _size(t["bytes_written"]), _size(t["bytes_read"]), str(t["evictions"]), str(t["promotions"]),
-                str(t["errors"] + t["checksum_failures"]),
+                str(t["errors"] + t["checksum_failures"]), str(t["dropped"]),
                 f"{t['get_latency_p50_ms']:.2f}/{t['get_latency_p99_ms']:.2f}",
                 f"{t['put_latency_p50_ms']:.2f}/{t['put_latency_p99_ms']:.2f}",
                 "yes" if t["healthy"] else "[red]no[/red]")
@@ -126,7 +143,7 @@ def stats(
     watch: Optional[float] = typer.Option(None, "--watch", help="refresh every SECONDS until Ctrl-C"),
 ) -> None:
     """Per worker and tier: capacity, used, blocks, hit rates, bytes in/out, evictions, promotions, errors,
-    latency percentiles."""
+    dropped background writes, latency percentiles; per worker: background writes pending."""
     console = _console()
     with _client(router) as client:
         def snapshot() -> dict[str, Any]:
@@ -164,42 +181,72 @@ def _print_results(results, as_json: bool) -> None:
     from rich.table import Table
 
     if as_json:
-        print(json.dumps([{"worker_id": r.worker_id, "tier": r.tier, "blocks_removed": r.blocks_removed,
-                           "bytes_freed": r.bytes_freed, "blocks_demoted": r.blocks_demoted, "error": r.error}
-                          for r in results], indent=2))
+        print(json.dumps([{"worker_id": r.worker_id, "tier": r.tier, "shared": r.shared,
+                           "blocks_removed": r.blocks_removed, "bytes_freed": r.bytes_freed,
+                           "blocks_demoted": r.blocks_demoted, "error": r.error} for r in results], indent=2))
         return
-    table = Table()
+    shared = any(r.shared for r in results)
+    table = Table(caption="shared: one backend for every worker; the worker named acted once for all" if shared
+                  else None, caption_justify="left")
     for col in ("worker", "tier", "blocks removed", "freed", "demoted", "error"):
         table.add_column(col)
     for r in results:
-        table.add_row(r.worker_id, r.tier or "-", str(r.blocks_removed), _size(r.bytes_freed), str(r.blocks_demoted),
-                      r.error or "")
+        table.add_row(r.worker_id or "-", (r.tier or "-") + (" (shared)" if r.shared else ""), str(r.blocks_removed),
+                      _size(r.bytes_freed), str(r.blocks_demoted), r.error or "")
     _console().print(table)
+
+
+def _read_hashes(block_hash: list[str], hashes_from: Optional[str]) -> list[bytes]:
+    """`--hash` values, then `--hashes-from` lines (`-` = stdin; blank lines and `#` comments skipped), as 16-byte
+    hashes; exit 2 naming the bad one."""
+    texts = list(block_hash)
+    if hashes_from:
+        lines = sys.stdin.read() if hashes_from == "-" else _read_text(hashes_from)
+        texts += [line.split("#")[0].strip() for line in lines.splitlines()]
+    hashes = []
+    for text in filter(None, texts):
+        try:
+            value = bytes.fromhex(text)
+        except ValueError:
+            value = b""
+        if len(value) != 16:
+            typer.echo(f"error: a block hash must be 32 hex digits (16 bytes), got {text!r}", err=True)
+            raise typer.Exit(2)
+        hashes.append(value)
+    return hashes
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError as exc:
+        typer.echo(f"error: --hashes-from: {exc}", err=True)
+        raise typer.Exit(2)
 
 
 @cache_app.command("evict")
 def evict(
     router: Optional[str] = typer.Option(None, "--router", help=_ROUTER_HELP),
     worker: str = typer.Option("", "--worker", help="only this worker (default: every worker)"),
-    tier: str = typer.Option("", "--tier", help="only this tier (default: every tier)"),
+    tier: str = typer.Option("", "--tier", help="only this tier (default: every local tier; redis/s3 only when "
+                                                "named)"),
     num_bytes: int = typer.Option(0, "--bytes", help="free at least this many bytes per tier, by its policy"),
     block_hash: list[str] = typer.Option([], "--hash", help="evict this block (32 hex digits; repeatable)"),
+    hashes_from: Optional[str] = typer.Option(None, "--hashes-from",
+                                              help="evict the blocks listed in this file, one hash a line (- = stdin)"),
     demote: bool = typer.Option(False, "--demote", help="move to the next slower tier instead of dropping"),
+    timeout: Optional[float] = typer.Option(None, "--timeout",
+                                            help=_TIMEOUT_HELP.format("60 s + 20 ms a hash")),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Drop (or demote) chosen blocks, or a number of bytes, from the cache tiers."""
-    if bool(num_bytes) == bool(block_hash):
-        typer.echo("error: give exactly one of --bytes N and --hash HEX", err=True)
+    """Drop (or demote) chosen blocks, or a number of bytes, from the cache tiers. On a shared tier (redis, s3)
+    one worker acts for all."""
+    hashes = _read_hashes(block_hash, hashes_from)
+    if bool(num_bytes) == bool(hashes):
+        typer.echo("error: give exactly one of --bytes N and --hash HEX / --hashes-from FILE", err=True)
         raise typer.Exit(2)
-    try:
-        hashes = [bytes.fromhex(h) for h in block_hash]
-    except ValueError:
-        typer.echo("error: --hash must be 32 hex digits (a 16-byte block hash)", err=True)
-        raise typer.Exit(2)
-    if any(len(h) != 16 for h in hashes):
-        typer.echo("error: --hash must be 32 hex digits (a 16-byte block hash)", err=True)
-        raise typer.Exit(2)
-    with _client(router) as client:
+    with _client(router, timeout or evict_timeout_s(len(hashes))) as client:
         try:
             results = client.evict_cache(worker, tier, hashes, num_bytes, demote)
         except Exception as exc:  # noqa: BLE001
@@ -214,13 +261,16 @@ def flush(
     tier: str = typer.Option("", "--tier", help="only this tier (default: every local tier; redis/s3 only when "
                                                 "named)"),
     yes: bool = typer.Option(False, "--yes", "-y", help="do not ask for confirmation"),
+    timeout: float = typer.Option(FLUSH_TIMEOUT_S, "--timeout", help=_TIMEOUT_HELP.format(f"{FLUSH_TIMEOUT_S:.0f} s")),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Empty cache tiers (pinned blocks stay)."""
+    """Empty cache tiers (pinned blocks stay). A shared tier (redis, s3) is emptied once, by one worker, for all."""
     what = f"tier {tier or 'device/host/disk'} of {worker or 'every worker'}"
+    if tier in ("redis", "s3"):
+        what = f"the shared {tier} tier (every worker's blocks)"
     if not yes and sys.stdin.isatty() and not typer.confirm(f"Flush {what}?"):
         raise typer.Exit(1)
-    with _client(router) as client:
+    with _client(router, timeout) as client:
         try:
             results = client.flush_cache(worker, tier)
         except Exception as exc:  # noqa: BLE001

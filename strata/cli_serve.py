@@ -28,6 +28,18 @@ def banner(info, config) -> str:
     return "\n".join(lines)
 
 
+def _check_s3_url(value: Optional[str]) -> Optional[str]:
+    """`--s3-url` is checked while the arguments are parsed, before anything starts."""
+    from worker_common.store_setup import s3_config
+
+    if value:
+        try:
+            s3_config(value)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc).removeprefix("--s3-url ")) from None
+    return value
+
+
 def serve(
     prefill: Optional[int] = typer.Option(None, "--prefill", help="prefill workers (default 1; 0 = decode only)"),
     decode: Optional[int] = typer.Option(None, "--decode", help="decode workers (default 1)"),
@@ -37,7 +49,9 @@ def serve(
     http_port: Optional[int] = typer.Option(None, "--http-port",
                                             help="OpenAI HTTP port (default 8000; 0 = free; -1 = off)"),
     redis_url: Optional[str] = typer.Option(None, "--redis-url", help="add a shared Redis tier"),
-    s3_url: Optional[str] = typer.Option(None, "--s3-url", help="add a shared S3 tier"),
+    s3_url: Optional[str] = typer.Option(None, "--s3-url", callback=_check_s3_url,
+                                         help="add a shared S3 tier: s3://BUCKET[/PREFIX] or "
+                                              "http(s)://HOST:PORT/BUCKET[/PREFIX] (S3-compatible server)"),
     data_dir: Optional[str] = typer.Option(None, "--data-dir", help="where disk tiers live (default: a temp dir)"),
     no_disk: bool = typer.Option(False, "--no-disk", help="host tier only"),
     transfer: Optional[str] = typer.Option(None, help="KV transfer backend: shm, tcp or nixl (default shm)"),
@@ -59,9 +73,14 @@ def serve(
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     launcher = LocalLauncher(cfg, log=sys.stderr)
+
+    def on_signal(*_) -> None:
+        stop.set()
+        launcher.interrupt()  # Ctrl-C while starting: stop now, not once every part is up
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
     code = 0
     try:
         info = launcher.start()
@@ -69,11 +88,17 @@ def serve(
         exited = launcher.wait(stop)
         if exited is not None:
             typer.echo(f"error: {exited[0]} exited with code {exited[1]}; stopping the cluster", err=True)
-            code = 1
+            code = exit_code_of(exited[1])
     except LaunchError as exc:
         typer.echo(f"error: {exc}", err=True)
-        code = 1
+        code = exit_code_of(exc.exit_code)
     finally:
         launcher.stop()
     raise typer.Exit(code)
+
+
+def exit_code_of(part_code: int | None) -> int:
+    """`strata serve` exits with the failed part's own status (1 when it has none: killed by a signal, exited 0, or
+    still running without a READY line), so a script sees a usage error (2) as one."""
+    return part_code if part_code is not None and 0 < part_code < 256 else 1
 

@@ -3,7 +3,9 @@
 `LocalLauncher` runs every part as a local process (what `strata serve` does): the router first, then the workers
 in parallel, each with host + disk tiers (and Redis / S3 when given), registering with the router (`--router`) and
 publishing their KV events to it. Every child's output is printed with its name in front; the launcher waits for
-each READY line, then until the router lists every worker READY. `stop()` (Ctrl-C, SIGTERM) ends every child:
+each READY line, then until the router lists every worker READY. A part that exits during start-up ends the start at
+once (`LaunchError` with its name, exit code and last lines of output), whichever part the launcher was waiting for.
+`stop()` (Ctrl-C, SIGTERM) ends every child and whatever it started (each child leads its own process group):
 SIGTERM, a grace period, then SIGKILL; children also die with the launcher (Linux PDEATHSIG).
 
 A Ray launcher will implement the same small `Launcher` interface (actors instead of processes).
@@ -29,6 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, TextIO
 
 from worker_common.config import TRANSFER_BACKENDS
+from worker_common.store_setup import s3_config
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # NOTE: children are started with fork() (a preexec_fn makes them die with the launcher). With gRPC's fork support
@@ -88,8 +91,8 @@ class ServeConfig:
                  f"transfer must be one of {', '.join(TRANSFER_BACKENDS)}, got {self.transfer!r}")
         _require(not self.redis_url or self.redis_url.startswith(("redis://", "rediss://", "unix://")),
                  f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
-        _require(not self.s3_url or self.s3_url.startswith(("s3://", "http://", "https://")),
-                 f"s3_url must start with s3://, http:// or https://, got {self.s3_url!r}")
+        if self.s3_url:
+            s3_config(self.s3_url)  # NOTE: here, in the parent: a bad bucket name fails before any process starts
         _require(self.ready_timeout_s > 0, f"ready_timeout_s must be > 0, got {self.ready_timeout_s}")
         object.__setattr__(self, "worker_args", tuple(self.worker_args))
         object.__setattr__(self, "router_args", tuple(self.router_args))
@@ -132,7 +135,12 @@ class ClusterInfo:
 
 
 class LaunchError(RuntimeError):
-    """A part did not start; the message carries the tail of its output."""
+    """A part did not start; the message carries the tail of its output. `part`: its name; `exit_code`: its exit
+    status when it exited (negative: killed by that signal), None when it is still running (no READY in time)."""
+
+    def __init__(self, message: str, part: str = "", exit_code: int | None = None) -> None:
+        super().__init__(message)
+        self.part, self.exit_code = part, exit_code
 
 
 class Launcher(abc.ABC):
@@ -159,8 +167,13 @@ class Launcher(abc.ABC):
 
 # ----------------------------------------------------------------------------------------------------- local
 
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM when the launcher dies, even by SIGKILL (Linux only)."""
+def _child_setup() -> None:
+    """In the child, before exec: lead a process group of its own (so `stop()` reaches what it starts, and a
+    terminal's Ctrl-C reaches only the launcher, which stops the parts in order), and get SIGTERM when the launcher
+    dies, even by SIGKILL (Linux PDEATHSIG)."""
+    os.setpgid(0, 0)
+    if sys.platform != "linux":
+        return
     try:
         import ctypes
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
@@ -176,10 +189,9 @@ class _Child:
         self.name, self.role, self.ready_pattern, self.log = name, role, ready, log
         self.tail: list[str] = []
         self.ready_match: re.Match | None = None
-        self._ready = threading.Event()
-        self.proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=dict(env), stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                     preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+        self.proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=dict(env), stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                     preexec_fn=_child_setup)
         self._pump = threading.Thread(target=self._read, name=f"log-{name}", daemon=True)
         self._pump.start()
 
@@ -190,36 +202,48 @@ class _Child:
             self.tail = (self.tail + [line])[-40:]
             if self.ready_match is None and (m := self.ready_pattern.match(line)):
                 self.ready_match = m
-                self._ready.set()
             try:
                 self.log.write(f"{self.name:<10}| {line}\n")
                 self.log.flush()
             except ValueError:  # the log was closed under us at shutdown
                 pass
-        self._ready.set()  # exited: wake the waiter
 
-    def wait_ready(self, timeout_s: float) -> re.Match:
-        if not self._ready.wait(timeout_s) or self.ready_match is None:
-            code = self.proc.poll()
-            why = f"exited with code {code}" if code is not None else f"printed no READY line in {timeout_s:.0f}s"
-            raise LaunchError(f"{self.name} {why}:\n" + "\n".join(self.tail[-20:]))
-        return self.ready_match
+    def failure(self, waited_s: float) -> LaunchError:
+        """Why this part did not start: it exited (its code), or printed no READY line in `waited_s`."""
+        code = self.proc.poll()
+        if code is None:
+            why = f"printed no READY line in {waited_s:.0f}s"
+        else:
+            # NOTE: bounded: a process it started may still hold the pipe open, so EOF may never come.
+            self._pump.join(timeout=2)
+            why = f"exited with code {code} during start-up"
+        return LaunchError(f"{self.name} {why}; the last lines of its output:\n" + "\n".join(self.tail[-20:]),
+                           self.name, code)
 
     @property
     def alive(self) -> bool:
         return self.proc.poll() is None
 
     def terminate(self) -> None:
-        if self.alive:
-            self.proc.send_signal(signal.SIGTERM)
+        self._signal_group(signal.SIGTERM)
 
     def reap(self, deadline: float) -> None:
         try:
             self.proc.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            self.proc.kill()
+            self._signal_group(signal.SIGKILL)
             self.proc.wait(5)
+        self._signal_group(signal.SIGKILL)  # whatever it started and left behind
         self._pump.join(timeout=2)
+
+    def _signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)  # its group id is its pid (`_child_setup`)
+        except ProcessLookupError:
+            pass  # nobody left in the group
+        except PermissionError:  # the id now names a group that is not ours (reused): signal the child alone
+            if self.alive:
+                self.proc.send_signal(sig)
 
 
 class LocalLauncher(Launcher):
@@ -234,6 +258,12 @@ class LocalLauncher(Launcher):
         self._data_dir: Path | None = None
         self._owns_data_dir = False
         self._stopped = False
+        self._interrupted = threading.Event()
+
+    def interrupt(self) -> None:
+        """End a `start()` in progress (it raises LaunchError and stops what it started); safe from a signal
+        handler. Children lead their own process groups, so a terminal's Ctrl-C reaches only the launcher."""
+        self._interrupted.set()
 
     # ---- start --------------------------------------------------------------------------------------------------
 
@@ -252,22 +282,39 @@ class LocalLauncher(Launcher):
         self._prepare_data_dir()
         # NOTE: registering workers need the router's address first; probed ones are named to the router instead.
         router = self._spawn_router(model, []) if c.register_workers else None
-        router_match = router.wait_ready(c.ready_timeout_s) if router is not None else None
+        router_match = self._wait_ready([router], c.ready_timeout_s)[0] if router is not None else None
         router_address = router_match.group(1) if router_match is not None else ""
         workers = [self._spawn_worker(role, i, model, router_address)
                    for role, n in (("prefill", c.prefill), ("decode", c.decode)) for i in range(n)]
-        endpoints = []
-        for child in workers:
-            m = child.wait_ready(c.ready_timeout_s)
-            endpoints.append(Endpoint(m.group(3), child.role, m.group(1), child.proc.pid))
+        endpoints = [Endpoint(m.group(3), child.role, m.group(1), child.proc.pid)
+                     for child, m in zip(workers, self._wait_ready(workers, c.ready_timeout_s))]
         if router is None:
             router = self._spawn_router(model, [e.address for e in endpoints])
-            router_match = router.wait_ready(c.ready_timeout_s)
+            router_match = self._wait_ready([router], c.ready_timeout_s)[0]
         grpc_address, http = router_match.group(1), router_match.group(2)
         info = ClusterInfo(grpc_address, f"http://{http}" if http else "", Path(model).name,
                            (Endpoint("router", "router", grpc_address, router.proc.pid), *endpoints))
         self._wait_registered(grpc_address, [e.name for e in endpoints])
         return info
+
+    def _wait_ready(self, waiting: list[_Child], timeout_s: float) -> list[re.Match]:
+        """Until each of `waiting` printed its READY line, in parallel. Any part of this cluster that exits meanwhile
+        (one of these, or one already READY, such as the router) ends the wait at once."""
+        deadline = time.monotonic() + timeout_s
+        while not all(child.ready_match for child in waiting):
+            self._raise_if_one_exited()
+            if time.monotonic() > deadline:
+                raise next(child for child in waiting if child.ready_match is None).failure(timeout_s)
+            time.sleep(0.1)
+        return [child.ready_match for child in waiting]
+
+    def _raise_if_one_exited(self) -> None:
+        """During start-up every part should be running: the first one that is not is the launch's error."""
+        if self._interrupted.is_set():
+            raise LaunchError("interrupted while starting")
+        for child in self.children:
+            if not child.alive:
+                raise child.failure(0)
 
     def _prepare_data_dir(self) -> None:
         if self.config.data_dir:
@@ -321,6 +368,7 @@ class LocalLauncher(Launcher):
         deadline, ready = time.monotonic() + timeout_s, set()
         with StrataClient(grpc_address, timeout_s=5.0) as client:
             while not set(worker_ids) <= ready:
+                self._raise_if_one_exited()
                 if time.monotonic() > deadline:
                     raise LaunchError(f"the router at {grpc_address} lists {sorted(ready)} READY after "
                                       f"{timeout_s:.0f}s; expected {sorted(worker_ids)}")
@@ -336,7 +384,8 @@ class LocalLauncher(Launcher):
         while not stop_event.wait(0.5):
             for child in self.children:
                 code = child.proc.poll()
-                # NOTE: Ctrl-C in a terminal reaches the children too; one may exit before our own handler runs.
+                # NOTE: a signal meant for everyone (`kill -- -PGID` of the launcher's group, a session's hangup)
+                # may reach a child before our own handler runs: give `stop_event` a moment to say so.
                 if code is not None and not stop_event.wait(1.0):
                     return child.name, code
         return None

@@ -4,10 +4,15 @@
     tier      evict block_hashes                evict bytes                    flush
     device    cached-free blocks, not in use    oldest cached-free first       every cached-free block
     host/disk delete                            least recently used first      clear
-    redis/s3  delete (only when named)          refused: no LRU order          clear (only when named)
+    redis/s3  one delete of every hash          refused: no LRU order          clear (only when named)
+              (only when named)
 
 An empty `tier` means every *local* tier (device, host, disk): shared tiers hold every worker's blocks, so they are
-touched only when named. Blocks in use by a running request or pinned under a lease stay (the proto's contract).
+touched only when named, and then by one worker for all (the router asks one; results say `shared`). On a shared
+tier the counts are the backend's: `delete` answers how many objects it removed (no existence check per key first:
+on S3 that is a request per key), a flush counts what the backend held (Redis SCAN, S3 LIST) just before. Its
+`bytes_freed` counts only blocks whose size this worker had seen (the backend reports no sizes on delete).
+Blocks in use by a running request or pinned under a lease stay (the proto's contract).
 Events: device removals come from the pool's own hook (`BlockRemoved` medium device); store tiers publish
 `BlockRemoved` with the keys that left; a flush of every tier the worker runs publishes `AllBlocksCleared`, and so
 does a flush of a shared tier, whose keys this worker cannot list (the router then forgets this worker's entries:
@@ -19,13 +24,14 @@ computed, so a demoted device block counts as demoted when host holds it, else a
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from engine.block_pool import BlockPool
 from kvstore.hashing import HASH_BYTES
 from kvstore.store import TieredStore
 from kvstore.tiers.base import Tier
 from strata.v1 import common_pb2
+from worker_common.cache_stats import SHARED_TIERS
 from worker_common.convert import InvalidArgument
 from worker_common.demotion import demote
 from worker_common.engine_loop import EngineLoop
@@ -93,8 +99,8 @@ class CacheAdmin:
         if demoting and self._below(tier) is None:
             return self._result(tier, error=f"{tier} is this worker's slowest tier: nothing to demote into")
         if hashes:
-            held = store_tier.contains(hashes)
-            keys = [h for h, present in zip(hashes, held) if present]
+            shared = tier in SHARED_TIERS  # NOTE: `delete` counts what the backend held; asking first costs a trip
+            keys = hashes if shared else [h for h, held in zip(hashes, store_tier.contains(hashes)) if held]
             before = store_tier.stats().used_bytes
             dropped, demoted = self._drop(tier, store_tier, keys, demoting)
             return self._result(tier, dropped, max(0, before - store_tier.stats().used_bytes), demoted)
@@ -113,16 +119,23 @@ class CacheAdmin:
         if tier == DEVICE:
             return self._on_device(BlockPool.cached_free_blocks, demoting=False)
         store_tier = self.store.tier(tier)
+        if tier in SHARED_TIERS:
+            return self._flush_shared(tier, store_tier, announce)
         before = store_tier.stats()
-        keys = store_tier.keys_lru_order() if hasattr(store_tier, "keys_lru_order") else None
+        keys = store_tier.keys_lru_order()
         store_tier.clear()
         if announce:
-            if keys is None:
-                self.events.cleared()  # see the module docstring: the keys of a shared tier are not listable here
-            else:
-                self.events.removed(tier, keys)
+            self.events.removed(tier, keys)
         after = store_tier.stats()
         return self._result(tier, max(0, before.blocks - after.blocks), max(0, before.used_bytes - after.used_bytes))
+
+    def _flush_shared(self, tier: str, store_tier: Tier, announce: bool) -> common_pb2.CacheAdminResult:
+        held = _backend_usage(store_tier)
+        cleared = store_tier.clear()
+        if announce:
+            self.events.cleared(tier)  # the router clears this tier for every worker, never their host or disk
+        blocks = cleared if isinstance(cleared, int) else held.blocks  # Redis's clear counts what it unlinked
+        return self._result(tier, blocks, held.bytes)
 
     def _on_device(self, victims: Callable[[BlockPool], list[int]], demoting: bool) -> common_pb2.CacheAdminResult:
         """Evict on the engine thread (the pool's hook publishes the device's BlockRemoved)."""
@@ -167,7 +180,24 @@ class CacheAdmin:
     def _result(self, tier: str, removed: int = 0, freed: int = 0, demoted: int = 0,
                 error: str = "") -> common_pb2.CacheAdminResult:
         return common_pb2.CacheAdminResult(worker_id=self.worker_id, tier=tier, blocks_removed=removed,
-                                           bytes_freed=freed, blocks_demoted=demoted, error=error)
+                                           bytes_freed=freed, blocks_demoted=demoted, error=error,
+                                           shared=tier in SHARED_TIERS)
+
+
+class Usage(NamedTuple):
+    blocks: int
+    bytes: int
+
+
+def _backend_usage(store_tier: Tier) -> Usage:
+    """What a shared backend holds under this tier's prefix and namespace: Redis by SCAN (`scan_usage`), S3 by
+    LIST (`refresh_index`, which takes every listed object's size); else what this worker has seen."""
+    if hasattr(store_tier, "scan_usage"):
+        return Usage(*store_tier.scan_usage())
+    if hasattr(store_tier, "refresh_index"):
+        store_tier.refresh_index()
+    stats = store_tier.stats()
+    return Usage(stats.blocks, stats.used_bytes)
 
 
 def _blocks_for(store_tier: Tier, nbytes: int) -> int:

@@ -56,7 +56,7 @@ def store_tier_stats(name: str, entry: dict, block_size: int) -> common_pb2.Cach
         miss_blocks=entry["misses"], hit_tokens=entry["hits"] * block_size, miss_tokens=entry["misses"] * block_size,
         bytes_read=entry["bytes_read"], bytes_written=entry["bytes_written"], evictions=entry["evictions"],
         promotions=entry["promotions"], demotions=entry["demotions"], errors=entry["errors"],
-        checksum_failures=entry["checksum_failures"],
+        checksum_failures=entry["checksum_failures"], dropped=entry.get("dropped", 0),
         get_latency_p50_ms=latency_quantile_ms(get_counts, 0.5),
         get_latency_p99_ms=latency_quantile_ms(get_counts, 0.99),
         put_latency_p50_ms=latency_quantile_ms(put_counts, 0.5),
@@ -65,6 +65,8 @@ def store_tier_stats(name: str, entry: dict, block_size: int) -> common_pb2.Cach
 
 def cache_stats(worker_id: str, bundle: EngineBundle, store: TieredStore,
                 collected_at_ms: int) -> common_pb2.WorkerCacheStats:
+    store_stats = stats_dict(store)
     tiers = [device_tier_stats(bundle)]
-    tiers += [store_tier_stats(name, entry, bundle.block_size) for name, entry in stats_dict(store)["tiers"].items()]
-    return common_pb2.WorkerCacheStats(worker_id=worker_id, tiers=tiers, collected_at_unix_ms=collected_at_ms)
+    tiers += [store_tier_stats(name, entry, bundle.block_size) for name, entry in store_stats["tiers"].items()]
+    return common_pb2.WorkerCacheStats(worker_id=worker_id, tiers=tiers, collected_at_unix_ms=collected_at_ms,
+                                       pending_writes=store_stats.get("pending_writes", 0))

@@ -7,6 +7,17 @@ from typing import Sequence
 
 from strata.paths import resolve_model
 from worker_common.config import TRANSFER_BACKENDS, WorkerConfig
+from worker_common.store_setup import S3_URL_FORMS, s3_config
+
+
+def s3_url(value: str) -> str:
+    """argparse type of `--s3-url`: refused while parsing (exit 2, naming the option), not after the model loads."""
+    if value:
+        try:
+            s3_config(value)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc).removeprefix("--s3-url ")) from None
+    return value
 
 
 def parse_config(role: str, argv: Sequence[str] | None = None) -> WorkerConfig:
@@ -33,8 +44,8 @@ def parse_config(role: str, argv: Sequence[str] | None = None) -> WorkerConfig:
                    help="decode: bound on one KV read before falling back to the store, then recompute")
     p.add_argument("--disk-path", default="", help="add a disk tier here (written through)")
     p.add_argument("--redis-url", default="", help="add a shared Redis tier (written through)")
-    p.add_argument("--s3-url", default="", help="add a shared S3 tier (written through): s3://BUCKET[/PREFIX] or "
-                                                "http(s)://HOST:PORT/BUCKET[/PREFIX] for an S3-compatible server")
+    p.add_argument("--s3-url", type=s3_url, default="",
+                   help=f"add a shared S3 tier (written through): {S3_URL_FORMS} (an S3-compatible server)")
     p.add_argument("--kv-events-endpoint", default=d.kv_events_endpoint,
                    help="ZeroMQ PUB bind of the KV events ('' = no events; port * = free, printed on READY)")
     p.add_argument("--kv-replay-endpoint", default=d.kv_replay_endpoint,

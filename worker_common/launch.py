@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -62,20 +63,23 @@ class WorkerProcess:
         self._lines.put(None)
 
     def _wait_ready(self, timeout_s: float) -> tuple[str, str, str, str, str, str]:
-        # NOTE: the timeout is per line; a worker prints only its READY line on stdout.
-        try:
-            while True:
-                line = self._lines.get(timeout=timeout_s)
-                if line is None:
-                    raise WorkerStartError(f"{self.role} worker exited ({self.proc.wait()}):\n{self.log_tail()}")
-                match = READY.match(line)
-                if match:
-                    return (match.group(1), match.group(3), match.group(5) or "", match.group(6) or "",
-                            match.group(7) or "", match.group(8) or "")
-        except queue.Empty:
-            self.kill()
-            raise WorkerStartError(f"{self.role} worker printed no READY line in {timeout_s}s:\n"
-                                   f"{self.log_tail()}") from None
+        # NOTE: the exit is noticed by polling, not only by the end of stdout: a process the worker started may
+        # hold the pipe open after the worker itself is gone.
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                line = self._lines.get(timeout=0.2)
+            except queue.Empty:
+                line = ""
+            if line is None or (not line and not self.alive):
+                raise WorkerStartError(f"{self.role} worker exited ({self.proc.wait()}):\n{self.log_tail()}")
+            if match := READY.match(line):
+                return (match.group(1), match.group(3), match.group(5) or "", match.group(6) or "",
+                        match.group(7) or "", match.group(8) or "")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise WorkerStartError(f"{self.role} worker printed no READY line in {timeout_s}s:\n"
+                                       f"{self.log_tail()}")
 
     def log_tail(self, num_chars: int = 4000) -> str:
         if not self._log.closed:

@@ -150,27 +150,40 @@ class RedisTier(Tier):
         return [True] * len(items)
 
     def delete(self, keys: Sequence[BlockHash]) -> int:
+        """UNLINK `keys`, one round trip per `_UNLINK_BATCH` keys; how many Redis actually held (a key another
+        worker removed first, or that expired, is not counted)."""
         removed = 0
-        for chunk in _chunks(keys, self.batch_size):
-            removed += sum(self._pipeline("delete", [("UNLINK", self.key(k)) for k in chunk]))
+        for chunk in _chunks(keys, _UNLINK_BATCH):
+            removed += self._unlink("delete", [self.key(k) for k in chunk])
         self._forget(keys)
         return removed
 
-    def clear(self) -> None:
-        """UNLINK every key under this tier's prefix and namespace (SCAN, never KEYS or FLUSHDB)."""
+    def clear(self) -> int:
+        """UNLINK every key under this tier's prefix and namespace (SCAN, never KEYS or FLUSHDB), one round trip per
+        `_UNLINK_BATCH` keys; how many were removed."""
+        removed = 0
         try:
             batch: list[bytes] = []
             for key in self._scan():
                 batch.append(key)
                 if len(batch) >= _UNLINK_BATCH:
-                    self._client.unlink(*batch)
-                    batch = []
-            if batch:
-                self._client.unlink(*batch)
+                    removed, batch = removed + self._unlink("clear", batch), []
         except redis.RedisError as exc:
             raise self._unavailable("clear", exc) from exc
+        if batch:
+            removed += self._unlink("clear", batch)
         with self._sizes_lock:
             self._sizes.clear()
+        return removed
+
+    def _unlink(self, what: str, names: list[bytes]) -> int:
+        """One round trip: a multi-key UNLINK on one server; on a cluster, where a command cannot cross slots, a
+        pipeline of one UNLINK per key."""
+        if not names:
+            return 0
+        if self.cluster:
+            return sum(self._pipeline(what, [("UNLINK", n) for n in names]))
+        return self._pipeline(what, [("UNLINK", *names)])[0]
 
     def close(self) -> None:
         if self._direct is not None:

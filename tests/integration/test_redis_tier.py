@@ -129,6 +129,31 @@ def test_delete_counts_present_keys_and_ignores_missing(tier):
     assert tier.contains(hashes) == [False, False, False]
 
 
+def unlink_calls(url: str) -> int:
+    stats = redis.Redis.from_url(url).info("commandstats")
+    return stats.get("cmdstat_unlink", {}).get("calls", 0)
+
+
+def test_delete_of_thousands_of_keys_is_one_unlink_per_chunk_and_counts_what_redis_held(tier, redis_server):
+    """2,000 keys, 1,500 of them stored: 4 round trips of 500 keys (one multi-key UNLINK each), 1,500 removed."""
+    hashes = make_hashes(2000)
+    tier.put([(h, b"v") for h in hashes[:1500]])
+    before = unlink_calls(redis_server.url)
+
+    assert tier.delete(hashes) == 1500
+
+    assert unlink_calls(redis_server.url) - before == 4
+    assert not any(tier.contains(hashes))
+    assert tier.delete(hashes) == 0          # a second delete (another worker's, say) finds nothing left
+
+
+def test_clear_returns_how_many_keys_it_removed(tier):
+    hashes = make_hashes(1200)               # more than two UNLINK batches
+    tier.put([(h, b"v") for h in hashes])
+    assert tier.clear() == 1200
+    assert tier.clear() == 0
+
+
 def test_stats_track_blocks_and_bytes_this_process_has_seen(tier):
     hashes = make_hashes(4)
     tier.put([(h, b"x" * 100) for h in hashes])
@@ -191,14 +216,14 @@ def test_cluster_mode_round_trip_lookup_and_clear(redis_cluster):
     hashes = make_hashes(300)  # keys spread over many slots
     blocks = [make_block(i, 64) for i in range(300)]
     tier.put(list(zip(hashes, blocks)))
-    tier.delete(hashes[150:151])
+    assert tier.delete(hashes[150:151] + make_hashes(2, salt="absent")) == 1
 
     assert tier.longest_prefix(hashes) == 150
     bufs = [memoryview(bytearray(64)) for _ in hashes]
     assert tier.get(hashes, bufs) == [64] * 150 + [None] + [64] * 149
     assert [bytes(b) for b in bufs[:150]] == blocks[:150]
     assert tier.scan_usage() == (299, 299 * 64)
-    tier.clear()
+    assert tier.clear() == 299
     assert not any(tier.contains(hashes))
 
 

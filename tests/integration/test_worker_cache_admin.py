@@ -262,8 +262,10 @@ def test_demoting_moves_blocks_one_tier_down(worker, fingerprint, events):
 
 
 @pytest.fixture
-def shared_worker(model_path, redis_server, s3_server):
-    """A worker with the shared tiers too: Redis and an S3-compatible server (`--s3-url http://HOST:PORT/BUCKET`)."""
+def shared_worker(model_path, fresh_redis_server, s3_server):
+    """A worker with the shared tiers too: Redis and an S3-compatible server (`--s3-url http://HOST:PORT/BUCKET`).
+    Its own Redis, so the counts of a flush are this test's keys only."""
+    redis_server = fresh_redis_server
     env = {"AWS_ACCESS_KEY_ID": s3_server.access_key, "AWS_SECRET_ACCESS_KEY": s3_server.secret_key,
            "AWS_DEFAULT_REGION": s3_server.region}
     args = ["--model", model_path, "--transfer", "shm", "--worker-id", "prefill-shared", "--num-blocks", "64",
@@ -286,17 +288,19 @@ def test_shared_tiers_are_evicted_and_flushed_only_when_named(shared_worker, fin
         assert tiers(worker)["redis"].shared and tiers(worker)["s3"].shared
 
         local = worker.stub().FlushCache(common_pb2.FlushCacheRequest(), timeout=30).results
-        assert [r.tier for r in local] == ["device", "host"]
+        assert [(r.tier, r.shared) for r in local] == [("device", False), ("host", False)]
         assert tiers(worker)["redis"].blocks >= 3 and tiers(worker)["s3"].blocks >= 3    # untouched
 
         (by_bytes,) = worker.stub().EvictCache(common_pb2.EvictCacheRequest(tier="redis", bytes=1),
                                                timeout=30).results
         assert "not supported" in by_bytes.error and by_bytes.blocks_removed == 0
-        (one,) = worker.stub().EvictCache(common_pb2.EvictCacheRequest(tier="s3", block_hashes=hashes[:1]),
+        absent = [i.to_bytes(16, "big") for i in range(500)]   # counted as what S3 removed: only the one it held
+        (one,) = worker.stub().EvictCache(common_pb2.EvictCacheRequest(tier="s3", block_hashes=hashes[:1] + absent),
                                           timeout=30).results
-        assert (one.tier, one.blocks_removed, one.error) == ("s3", 1, "")
+        assert (one.tier, one.shared, one.blocks_removed, one.error) == ("s3", True, 1, "")
+        held = tiers(worker)["redis"].blocks
         (flushed,) = worker.stub().FlushCache(common_pb2.FlushCacheRequest(tier="redis"), timeout=30).results
-        assert flushed.tier == "redis" and flushed.blocks_removed >= 3 and not flushed.error
+        assert (flushed.tier, flushed.shared, flushed.blocks_removed, flushed.error) == ("redis", True, held, "")
 
         got = next_events(sub, lambda got: hashes[0] in removed(got, "s3")
                           and any(isinstance(e, AllBlocksCleared) for e in got))
