@@ -77,7 +77,8 @@ class KvPuller:
         payloads: list[memoryview | None] = [None] * on_device
         transferred, tail, reason = self._transfer(kv, hashes, on_device, tail_hash)
         payloads += transferred
-        from_store = load_from_store(self.bundle, self.store, hashes[len(payloads):], kv.namespace_fingerprint)
+        from_store = list(load_from_store(self.bundle, self.store, hashes[len(payloads):],
+                                          kv.namespace_fingerprint).payloads)
         payloads += from_store
         if len(transferred) < len(hashes) - on_device and not reason:
             reason = "not transferred"

@@ -31,7 +31,7 @@ from worker_common.convert import (InvalidArgument, check_handle, check_prompt, 
                                    sampling_from_proto)
 from worker_common.engine_loop import failure_of
 from worker_common.engine_setup import EngineBundle
-from worker_common.kv_blocks import cacheable_blocks, load_prefix, store_computed_blocks
+from worker_common.kv_blocks import cacheable_blocks, fill_load_timings, load_prefix, store_computed_blocks
 from worker_common.server import GRPC_OPTIONS, WorkerBase
 from worker_common.streaming import StreamingRequest, ms, wait_events
 from worker_common.text_stream import TextStream, engine_params
@@ -163,10 +163,12 @@ class DecodeService(WorkerBase):
         self.claim(request.request_id, tracked, context)
         try:
             started = time.perf_counter()
-            payloads = load_prefix(self.bundle, self.store, hashes, fingerprint)
+            loaded = load_prefix(self.bundle, self.store, hashes, fingerprint, request)
             load_s = time.perf_counter() - started
-            self._admit(tracked, request.request_id, prompt, params, fingerprint, hashes, payloads, context)
+            installed = self._admit(tracked, request.request_id, prompt, params, fingerprint, hashes,
+                                    loaded.payloads, context)
             timings = common_pb2.Timings()
+            fill_load_timings(timings, loaded, installed)
             yield from self._stream(tracked, request.request_id, context, timings, len(prompt), None, None, "",
                                     load_s=load_s)
         finally:

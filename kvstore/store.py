@@ -103,24 +103,42 @@ class TieredStore:
 
     # Lookup and get -----------------------------------------------------------------------------------------
 
-    def lookup(self, hashes: Sequence[BlockHash]) -> LookupResult:
-        """Fastest tier first; each later stage is asked only about the blocks no faster tier holds."""
+    def lookup(self, hashes: Sequence[BlockHash], expect: int = 0) -> LookupResult:
+        """Fastest tier first; each later stage is asked only about the blocks no faster tier holds.
+        `expect`: leading blocks someone else (the router, from every worker's KV events) knows are stored. When
+        fewer are found, the shared tiers that answer from a cached index (S3) refresh it once and are asked again:
+        another worker wrote them after this one last looked."""
         serving: list[str | None] = [None] * len(hashes)
         pending = list(range(len(hashes)))
         for stage in self._stages:
-            if not pending:
-                break
-            keys = [hashes[i] for i in pending]
-            answers = self._ask(stage, "contains", keys)
-            for name in stage:  # stage order is fastest first
-                present = answers.get(name)
-                for i, p in zip(pending, present or ()):
-                    if p and serving[i] is None:
-                        serving[i] = name
-            pending = [i for i in pending if serving[i] is None]
-        leading = next((i for i, t in enumerate(serving) if t is None), len(hashes))
+            pending = self._resolve(stage, hashes, pending, serving)
+        leading = _leading(serving)
+        if leading < min(expect, len(hashes)) and self._refresh_shared():
+            self._resolve(self._stages[-1], hashes, [i for i in range(len(hashes)) if serving[i] is None], serving)
+            leading = _leading(serving)
         tiers = tuple(serving[:leading])
         return LookupResult(leading, tiers, {n: tiers.count(n) for n in self._names})
+
+    def _resolve(self, stage: tuple[str, ...], hashes: Sequence[BlockHash], pending: list[int],
+                 serving: list[str | None]) -> list[int]:
+        """Ask `stage` about the `pending` blocks, fill in `serving`; the indices still missing."""
+        if not pending:
+            return pending
+        answers = self._ask(stage, "contains", [hashes[i] for i in pending])
+        for name in stage:  # stage order is fastest first
+            for i, p in zip(pending, answers.get(name) or ()):
+                if p and serving[i] is None:
+                    serving[i] = name
+        return [i for i in pending if serving[i] is None]
+
+    def _refresh_shared(self) -> bool:
+        """Refresh the cached index of every shared tier that keeps one; whether any did."""
+        refreshed = False
+        for name in self._names:
+            refresh = getattr(self._tiers[name], "refresh_index", None)
+            if name in SHARED_TIERS and refresh is not None:
+                refreshed = self._call(name, "read", lambda refresh=refresh: refresh() or True) or refreshed
+        return refreshed
 
     def _ask(self, stage: tuple[str, ...], method: str, *args: Any) -> dict[str, Any]:
         """`method(*args)` on each tier of a stage (shared tiers concurrently, under `lookup_timeout_s`); a tier
@@ -160,7 +178,7 @@ class TieredStore:
             self._get_from(name, hashes, views, fingerprint, pending, served, blocks, verify_s)
         read_s = time.perf_counter() - started - verify_s[0]
         self._promote(hashes, views, served, blocks)
-        leading = next((i for i, t in enumerate(served) if t is None), len(hashes))
+        leading = _leading(served)
         return GetResult(leading, served, blocks, read_s, verify_s[0])
 
     def _get_hinted(self, hashes, views, fingerprint, hint, served, blocks, verify_s) -> None:
@@ -370,6 +388,9 @@ class TieredStore:
         self.flush()
         for name, tier in self._tiers.items():
             self._call(name, "write", tier.clear)
+        for name in self._names:  # a shared tier is empty for every worker, not only this one
+            if name in SHARED_TIERS:
+                self._events.cleared(name)
         self._events.cleared()
 
     def close(self) -> None:
@@ -384,6 +405,10 @@ class TieredStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _leading(served: Sequence[str | None]) -> int:
+    return next((i for i, t in enumerate(served) if t is None), len(served))
 
 
 def _lookup_stages(names: list[str]) -> list[tuple[str, ...]]:

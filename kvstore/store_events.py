@@ -52,9 +52,10 @@ class EventSink:
         if self.enabled and keys:
             self._publish([self._types.BlockRemoved(block_hashes=[bytes(k) for k in keys], medium=medium)])
 
-    def cleared(self) -> None:
+    def cleared(self, medium: str | None = None) -> None:
+        """Every block the store published is gone; with `medium`, every block of that tier only."""
         if self.enabled:
-            self._publish([self._types.AllBlocksCleared()])
+            self._publish([self._types.AllBlocksCleared(medium=medium)])
 
     def _publish(self, events: list) -> None:
         if not events:

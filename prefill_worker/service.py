@@ -31,7 +31,8 @@ from worker_common.convert import (InvalidArgument, check_prompt, check_vocab, l
 from worker_common.engine_loop import Failure, Tracked, failure_of
 from worker_common.engine_setup import EngineBundle
 from worker_common.handoff_pool import HandoffPool
-from worker_common.kv_blocks import cacheable_blocks, load_prefix, slot_bytes
+from worker_common.kv_blocks import (cacheable_blocks, fill_load_timings, load_prefix, slot_bytes,
+                                     store_computed_blocks)
 from worker_common.leases import LeaseTable
 from worker_common.server import WorkerBase
 from worker_common.streaming import ms
@@ -55,6 +56,7 @@ class PrefillJob(Tracked):
         self.abort_reason = ""
         self.failure: Failure | None = None
         self.first_output_at: float | None = None
+        self.store_s = 0.0
 
     def on_output(self, output: RequestOutput, now: float) -> bool:
         if not output.new_token_ids:
@@ -75,16 +77,29 @@ class PrefillJob(Tracked):
             response.finish_reason = common_pb2.FINISH_REASON_STOP
             for key, value in stop_reason_fields(delta.stop_str, token, self.params).items():
                 setattr(response, key, value)
+            self._store_prompt(token)
         elif length:
             response.finish_reason = common_pb2.FINISH_REASON_LENGTH
+            self._store_prompt(token)
         else:
             export = self.service.exporter.export(self.prompt, self.hashes, self.fingerprint, self.ttl_s,
                                                   self.request.freed_block_ids)
             response.kv.CopyFrom(export.handle)
-            response.timings.store_ms = ms(export.store_s)
+            self.store_s = export.store_s
+        response.timings.store_ms = ms(self.store_s)
         self.response = response
         self.done.set()
         return True
+
+    def _store_prompt(self, token: int) -> None:
+        """The request ends here (nothing to hand off): its prompt's full blocks still go to the store, so the
+        next request with this prefix hits every tier (an export would have written them)."""
+        started = time.perf_counter()
+        try:
+            store_computed_blocks(self.service.bundle, self.service.store, [*self.prompt, token], self.fingerprint)
+        except Exception:  # noqa: BLE001 - a store failure must not fail the request it served
+            log.exception("writing %s's blocks to the store failed", self.request_id)
+        self.store_s = time.perf_counter() - started
 
     def on_abort(self, reason: str) -> None:
         self.abort_reason = reason
@@ -116,20 +131,22 @@ class PrefillService(WorkerBase):
         job = PrefillJob(self, request.request_id, prompt, hashes, fingerprint, params, ttl_s)
         self.claim(request.request_id, job, context)
         try:
-            return self._run(job, context)
+            return self._run(job, context, request)
         finally:
             self.unclaim(request.request_id)
 
-    def _run(self, job: PrefillJob, context: grpc.ServicerContext) -> worker_pb2.PrefillResponse:
+    def _run(self, job: PrefillJob, context: grpc.ServicerContext,
+             plan: worker_pb2.PrefillRequest) -> worker_pb2.PrefillResponse:
+        """`plan`: the request, for the router's plan of the cached prefix (`load_prefix`)."""
         started = time.perf_counter()
         cacheable = job.hashes[:cacheable_blocks(len(job.prompt), self.bundle.block_size)]
-        payloads = load_prefix(self.bundle, self.store, cacheable, job.fingerprint)
+        loaded = load_prefix(self.bundle, self.store, cacheable, job.fingerprint, plan)
         load_s = time.perf_counter() - started
         # The engine stops after the first token; stop strings stay on the worker's text side.
         params = dataclasses.replace(engine_params(job.params), max_tokens=1, min_tokens=min(job.params.min_tokens, 1))
         try:
-            self.loop.post(lambda: admit(self.loop, job, job.request_id, job.prompt, params, job.fingerprint,
-                                         cacheable, payloads)).result()
+            installed = self.loop.post(lambda: admit(self.loop, job, job.request_id, job.prompt, params,
+                                                     job.fingerprint, cacheable, loaded.payloads)).result()
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Exception as exc:  # noqa: BLE001 - installing the loaded blocks failed: this worker's fault
@@ -151,6 +168,7 @@ class PrefillService(WorkerBase):
         scheduled = job.scheduled_at or job.arrived_at
         timings.queue_ms = ms(scheduled - job.arrived_at)
         timings.prefill_ms = ms(load_s + (job.first_output_at or scheduled) - scheduled)
+        fill_load_timings(timings, loaded, installed)
         return job.response
 
     def ReleaseKv(self, request: worker_pb2.ReleaseKvRequest, context) -> worker_pb2.ReleaseKvResponse:

@@ -48,6 +48,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="conditional disaggregation: prompts with at most this many uncached tokens prefill on "
                         "their decode worker (default: the cost model's)")
     p.add_argument("--prefill-tokens-per-s", type=float, default=None, help="cost model: prefill speed")
+    p.add_argument("--min-measured-samples", type=int, default=None,
+                   help="cost model: samples a worker's measured prefill rate or tier read cost needs before it "
+                        "replaces the default (default: the cost model's)")
     p.add_argument("--decode-s-per-token", type=float, default=0.02,
                    help="decode work charged per requested token (the load guard's recent-work estimate)")
     p.add_argument("--heartbeat-interval-ms", type=int, default=1000)
@@ -88,6 +91,8 @@ def build_router(args: argparse.Namespace) -> Router:
         changes["local_prefill_max_uncached_tokens"] = args.local_prefill_max_tokens
     if args.prefill_tokens_per_s is not None:
         changes["prefill_tokens_per_s"] = args.prefill_tokens_per_s
+    if args.min_measured_samples is not None:
+        changes["min_measured_samples"] = args.min_measured_samples
     cost = cost_config_for(model, base.replace(**changes))
     registry = WorkerRegistry(RegistryConfig(args.heartbeat_interval_ms, args.heartbeat_timeout_ms))
     index = SharedIndex()

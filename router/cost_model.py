@@ -5,9 +5,14 @@ cached prefix is worth loading (a block in a slow tier can cost more to fetch th
 
     blocks   | 0 .. k-1: load (own tier, shared tier, or a peer) | k .. n-1: recompute |
     tokens   | cached_tokens = min(k * block_size, num_tokens)   | uncached            |
+
+The config holds defaults (a PCIe host tier, an NVMe disk, ...). A worker that measures its own figures (its
+prefill rate, each store tier's read latency and bandwidth; `MeasuredCosts`, from its heartbeats) is priced with
+those instead, tier by tier, once a figure rests on `min_measured_samples` samples: `config.with_measured(m)`.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field, fields
 from typing import Mapping, Sequence
@@ -15,6 +20,7 @@ from typing import Mapping, Sequence
 from router.index import TIERS, fastest_tier
 
 PEER = "peer"  # pseudo-tier: a block held only by another worker, read over the transfer engine
+STORE_TIERS: tuple[str, ...] = ("host", "disk", "redis", "s3")  # the tiers a worker measures (its TieredStore's)
 
 
 def _require(ok: bool, message: str) -> None:
@@ -53,17 +59,56 @@ class TierCosts:
 
 
 @dataclass(frozen=True)
+class MeasuredRead:
+    """One worker's measured reads of one store tier: a call reading n bytes took about latency_s + n / bytes_per_s
+    (`bytes_per_s` may be inf: no per-byte cost showed); `samples` = the get calls behind the figures."""
+
+    tier: str
+    latency_s: float
+    bytes_per_s: float
+    samples: int
+
+    def __post_init__(self) -> None:
+        _require(self.tier in STORE_TIERS, f"tier must be one of {STORE_TIERS}, got {self.tier!r}")
+        _require(self.latency_s >= 0, f"{self.tier} latency_s must be >= 0, got {self.latency_s}")
+        _require(self.bytes_per_s > 0, f"{self.tier} bytes_per_s must be > 0 (inf allowed), got {self.bytes_per_s}")
+        _require(self.samples >= 0, f"{self.tier} samples must be >= 0, got {self.samples}")
+
+    @property
+    def link(self) -> LinkCost:
+        return LinkCost(self.bytes_per_s, self.latency_s)
+
+
+@dataclass(frozen=True)
+class MeasuredCosts:
+    """What one worker measured of itself (WorkerLoad's measured fields): its prefill rate over `prefill_samples`
+    engine steps (0 = none) and its store tiers' reads."""
+
+    prefill_tokens_per_s: float = 0.0
+    prefill_samples: int = 0
+    reads: tuple[MeasuredRead, ...] = ()
+
+    def __post_init__(self) -> None:
+        _require(self.prefill_tokens_per_s >= 0 and self.prefill_samples >= 0,
+                 f"prefill_tokens_per_s and prefill_samples must be >= 0, got {self.prefill_tokens_per_s}, "
+                 f"{self.prefill_samples}")
+
+
+@dataclass(frozen=True)
 class CostModelConfig:
     """What the policy assumes about the fleet. Defaults: a Llama-3-8B-class model in bf16.
 
     recompute_weight: extra weight on prefill seconds beyond their share of this request's TTFT, because a
         recompute also takes capacity from every later request (0 = greedy TTFT only).
     load_slack, load_floor_s: the load guard. A worker whose recent work exceeds
-        (1 + load_slack) * mean recent work + load_floor_s is skipped while another worker is within bounds
-        (`load_slack = inf` turns the guard off).
+        (1 + load_slack) * mean recent work + load_floor_s is skipped while another worker is within bounds,
+        unless its cache saves time over that worker and it is idle or leads it by less than the saving
+        (router.policy; `load_slack = inf` turns the guard off).
     local_prefill_max_uncached_tokens: conditional disaggregation. A prompt with at most this many tokens left to
         compute on the best decode worker is prefilled there (no prefill hop, no KV transfer).
     peer_fetch: whether a worker may load blocks that only its peers hold (pooled host tiers, DESIGN §5).
+    min_measured_samples: a worker's measured figure (prefill rate: engine steps; a tier's reads: get calls)
+        replaces the default above once it rests on this many samples.
     """
 
     block_size: int = 16
@@ -76,6 +121,7 @@ class CostModelConfig:
     load_floor_s: float = 0.0
     local_prefill_max_uncached_tokens: int = 512
     peer_fetch: bool = False
+    min_measured_samples: int = 20
 
     def __post_init__(self) -> None:
         _require(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
@@ -86,6 +132,8 @@ class CostModelConfig:
         _require(self.load_floor_s >= 0, f"load_floor_s must be >= 0, got {self.load_floor_s}")
         _require(self.local_prefill_max_uncached_tokens >= 0,
                  f"local_prefill_max_uncached_tokens must be >= 0, got {self.local_prefill_max_uncached_tokens}")
+        _require(self.min_measured_samples >= 1,
+                 f"min_measured_samples must be >= 1, got {self.min_measured_samples}")
 
     @property
     def block_bytes(self) -> int:
@@ -102,10 +150,25 @@ class CostModelConfig:
         values.update(changes)
         return CostModelConfig(**values)  # type: ignore[arg-type]
 
+    def with_measured(self, measured: MeasuredCosts | None) -> "CostModelConfig":
+        """This config as one worker sees it: its measured figures where they rest on enough samples, the
+        defaults elsewhere (self when nothing qualifies)."""
+        if measured is None:
+            return self
+        changes: dict[str, object] = {}
+        if measured.prefill_samples >= self.min_measured_samples and measured.prefill_tokens_per_s > 0:
+            changes["prefill_tokens_per_s"] = measured.prefill_tokens_per_s
+        links = {r.tier: r.link for r in measured.reads if r.samples >= self.min_measured_samples}
+        if links:
+            changes["tiers"] = dataclasses.replace(self.tiers, **links)
+        return self.replace(**changes) if changes else self
+
 
 @dataclass(frozen=True)
 class PrefixPlan:
-    """How one worker would serve a prompt's prefix: load `cached_blocks` (from `sources`), compute the rest."""
+    """How one worker would serve a prompt's prefix: load `cached_blocks` (from `sources`), compute the rest.
+    `available_blocks`: the leading blocks it could have loaded; a plan that stops short of them recomputes blocks
+    a tier holds, because reading them would be slower."""
 
     cached_blocks: int
     cached_tokens: int
@@ -113,10 +176,17 @@ class PrefixPlan:
     fetch_s: float
     prefill_s: float
     sources: tuple[tuple[str, int], ...]  # the loaded blocks as runs of (tier read from, block count)
+    available_blocks: int = 0
 
     @property
     def ttft_s(self) -> float:
         return self.fetch_s + self.prefill_s
+
+    @property
+    def max_load_blocks(self) -> int | None:
+        """What the worker may load (PrefillRequest.max_load_blocks): `cached_blocks` when the plan stops short of
+        what a tier holds, else None (no limit: the worker may also find blocks the router does not know of)."""
+        return self.cached_blocks if self.cached_blocks < self.available_blocks else None
 
 
 _FASTEST = tuple(fastest_tier(m) for m in range(1 << len(TIERS)))
@@ -182,7 +252,10 @@ def _plan_at(config: CostModelConfig, sources: list[tuple[str, int]], k: int, nu
         runs.append((tier, take))
         left -= take
     cached = min(k * config.block_size, num_tokens)
-    return PrefixPlan(k, cached, num_tokens - cached, fetch, config.prefill_s(num_tokens - cached), tuple(runs))
+    available = sum(count for _, count in sources)
+    return PrefixPlan(k, cached, num_tokens - cached, fetch, config.prefill_s(num_tokens - cached), tuple(runs),
+                      available)
 
 
-__all__ = ["PEER", "TIERS", "LinkCost", "TierCosts", "CostModelConfig", "PrefixPlan", "block_sources", "plan_prefix"]
+__all__ = ["PEER", "STORE_TIERS", "TIERS", "LinkCost", "TierCosts", "MeasuredCosts", "MeasuredRead",
+           "CostModelConfig", "PrefixPlan", "block_sources", "plan_prefix"]

@@ -8,7 +8,14 @@ block i" and a match is a leading run.
     _owned:    worker_id -> {hash: tier bitmask}       what `AllBlocksCleared` / `remove_worker` drop; insertion
                                                        ordered, so the memory bound drops a worker's oldest entries
 
-Shared tiers (redis, s3) are pooled: a block there, whoever reported it, counts for every worker.
+Shared tiers (redis, s3) are pooled: a block there, whoever reported it, counts for every worker. So a removal
+from a shared tier (`BlockRemoved`, or a flush: `AllBlocksCleared(medium="redis")`) removes it for every worker,
+while one from a local tier touches only the publisher's entries of that tier, and a clear without a medium all of
+the publisher's:
+
+    AllBlocksCleared()                  worker w: every entry              (restart, cache reset)
+    AllBlocksCleared(medium="host")     worker w: the host bit             (its other tiers stay)
+    AllBlocksCleared(medium="redis")    every worker: the redis bit        (one shared backend)
 
 Bookkeeping only: hashes, ids, ints. No sockets here (the subscriber feeds `apply`), no tensors.
 """
@@ -174,7 +181,10 @@ class PrefixIndex:
         elif isinstance(event, BlockRemoved):
             self.remove_blocks(worker_id, event.block_hashes, event.medium)
         elif isinstance(event, AllBlocksCleared):
-            self.clear_worker(worker_id)
+            if event.medium is None:
+                self.clear_worker(worker_id)
+            else:
+                self.clear_tier(worker_id, event.medium)
         else:
             raise TypeError(f"event must be BlockStored, BlockRemoved or AllBlocksCleared, got {type(event).__name__}")
 
@@ -188,23 +198,40 @@ class PrefixIndex:
         self._enforce_bound(worker_id, owned)
 
     def remove_blocks(self, worker_id: WorkerId, hashes: Iterable[BlockKey], medium: str | None) -> None:
-        bit = TIER_BIT[normalize_medium(medium)]
-        owned = self._owned.get(worker_id)
-        if owned is None:
-            return
+        """The blocks left `medium`: the worker's entries of a local tier; every worker's of a shared tier (one
+        backend: a block evicted from it by one worker is gone for all)."""
+        tier = normalize_medium(medium)
+        bit = TIER_BIT[tier]
         for h in hashes:
-            mask = owned.get(h, 0) & ~bit
-            if mask:
-                owned[h] = mask
-                self._holders[h][worker_id] = mask
-            elif h in owned:
-                self._drop(worker_id, owned, h)
+            holders = list(self._holders.get(h, ())) if tier in SHARED_TIERS else [worker_id]
+            for w in holders:
+                self._unset(w, h, bit)
+
+    def _unset(self, worker_id: WorkerId, h: BlockKey, bit: int) -> None:
+        owned = self._owned.get(worker_id, {})
+        if h not in owned:
+            return
+        mask = owned[h] & ~bit
+        if mask:
+            owned[h] = self._holders[h][worker_id] = mask
+        else:
+            self._drop(worker_id, owned, h)
 
     def clear_worker(self, worker_id: WorkerId) -> None:
         """Drop every entry of a worker (`AllBlocksCleared`); its sequence tracking stays."""
         owned = self._owned.pop(worker_id, {})
         for h in owned:
             self._unlink(worker_id, h)
+
+    def clear_tier(self, worker_id: WorkerId, medium: str) -> None:
+        """Drop one tier's entries (`AllBlocksCleared(medium)`): the worker's own for a local tier, every worker's
+        for a shared tier (one backend for all); entries in other tiers stay, in their insertion order."""
+        tier = normalize_medium(medium)
+        bit = TIER_BIT[tier]
+        workers = list(self._owned) if tier in SHARED_TIERS else [worker_id]
+        for w in workers:
+            for h in [h for h, mask in self._owned.get(w, {}).items() if mask & bit]:
+                self._unset(w, h, bit)
 
     def remove_worker(self, worker_id: WorkerId) -> None:
         """Forget a worker entirely (dead or drained): entries and sequence tracking."""

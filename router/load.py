@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Literal, Mapping
 
+from router.cost_model import MeasuredCosts
 from router.index import WorkerId
 
 Role = Literal["prefill", "decode", "both"]
@@ -23,6 +24,8 @@ class WorkerLoad:
     backlog_s:        predicted seconds before it can start a new request (the queue wait the policy charges)
     recent_busy_s:    seconds of work assigned to it recently (an exponentially decayed sum, queued work included):
                       the long-run share the load guard balances
+    measured:         its own prefill rate and tier read costs, when it reports them (the cost model prices this
+                      worker with them: `CostModelConfig.with_measured`)
     """
 
     worker_id: WorkerId
@@ -31,6 +34,7 @@ class WorkerLoad:
     running_tokens: int = 0
     backlog_s: float = 0.0
     recent_busy_s: float = 0.0
+    measured: MeasuredCosts | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -10,10 +10,24 @@ Every policy has the same signature and is looked up by the name users write in 
                + prefill(p: uncached tokens) + transfer(p -> d: KV bytes of the prompt, 0 when p == d)
 
 and picks the pair with the lowest ttft + recompute_weight * prefill (a recompute also costs later requests
-capacity), among the workers the load guard allows (recent work within (1 + slack) x the mean), ties broken by
-load, then worker id. Short or almost fully cached prompts prefill on their decode worker (conditional
-disaggregation). Cache salt needs no code here: a different salt gives different block hashes (DESIGN §3), so a
-tenant's blocks never match another tenant's query.
+capacity), among the workers the load guard allows, ties broken by load, then worker id. Each worker is priced with
+its own measured prefill rate and tier read costs where it reports them (`CostModelConfig.with_measured`). Short or
+almost fully cached prompts prefill on their decode worker (conditional disaggregation). Cache salt needs no code
+here: a different salt gives different block hashes (DESIGN §3), so a tenant's blocks never match another tenant's
+query.
+
+The load guard (`_within_guard`) keeps a hot prefix from piling every request on its holders:
+
+    bound      = (1 + load_slack) * mean recent work + load_floor_s
+    alt        = the best worker within the bound (least ttft + recompute_weight * prefill)
+    saving(w)  = plan(alt).ttft - plan(w).ttft            the fetch + prefill a move to alt adds: w's cache, recomputed
+    w allowed  <=> recent(w) <= bound
+                   or saving(w) > 0 and (w is idle: no queue, no backlog
+                                         or recent(w) - recent(alt) <= saving(w))
+
+So a worker past the bound keeps the requests its cache serves while it is idle (the move would gain nothing: the
+request starts at once either way) and while sending them away would add more recompute than the extra work it
+carries; a hot prefix is copied to another worker only once the imbalance it causes exceeds the cost of the copy.
 """
 from __future__ import annotations
 
@@ -43,7 +57,13 @@ class RouteRequest:
 @dataclass(frozen=True)
 class RouteDecision:
     """Where a request goes. `disaggregated` is prefill_worker != decode_worker; `cached_tokens` are the prompt
-    tokens the prefill worker is predicted to load rather than compute; `reason` is for logs and operators."""
+    tokens the prefill worker is predicted to load rather than compute; `reason` is for logs and operators.
+
+    work_s: the prefill worker's own seconds for the prompt (fetch + prefill, no queue wait, no hand-off): what the
+        router charges to its recent work. max_load_blocks: the most leading blocks the prefill worker should read
+        from its store tiers (PrefillRequest.max_load_blocks), set when the plan recomputes blocks a slow tier
+        holds; None = no limit.
+    """
 
     prefill_worker: WorkerId
     decode_worker: WorkerId
@@ -51,6 +71,8 @@ class RouteDecision:
     predicted_ttft_s: float
     cached_tokens: int
     reason: str
+    work_s: float = 0.0
+    max_load_blocks: int | None = None
 
 
 Policy = Callable[[RouteRequest, MatchResult, LoadView, CostModelConfig], RouteDecision]
@@ -62,21 +84,24 @@ class NoWorkerError(RuntimeError):
 
 # ----------------------------------------------------------------------------------------------------- helpers
 
-def _plan(request: RouteRequest, match: MatchResult, worker_id: WorkerId, config: CostModelConfig) -> PrefixPlan:
-    sources = block_sources(match.local.get(worker_id, {}), match.shared_masks, match.pooled_blocks, config.peer_fetch)
-    return plan_prefix(config, sources, request.num_tokens)
+def _plan(request: RouteRequest, match: MatchResult, w: WorkerLoad, config: CostModelConfig) -> PrefixPlan:
+    """The worker's plan, priced with its own measured figures where it has them."""
+    sources = block_sources(match.local.get(w.worker_id, {}), match.shared_masks, match.pooled_blocks,
+                            config.peer_fetch)
+    return plan_prefix(config.with_measured(w.measured), sources, request.num_tokens)
 
 
 def _plans(request: RouteRequest, match: MatchResult, workers: Sequence[WorkerLoad],
            config: CostModelConfig) -> dict[WorkerId, PrefixPlan]:
-    """One plan per worker; workers holding none of the blocks themselves share one (shared tiers and peers only)."""
+    """One plan per worker; workers holding none of the blocks themselves and measuring nothing share one (shared
+    tiers and peers only, default costs)."""
     plans: dict[WorkerId, PrefixPlan] = {}
     anonymous: PrefixPlan | None = None
     for w in workers:
-        if w.worker_id in match.local:
-            plans[w.worker_id] = _plan(request, match, w.worker_id, config)
+        if w.worker_id in match.local or w.measured is not None:
+            plans[w.worker_id] = _plan(request, match, w, config)
         else:
-            anonymous = anonymous or _plan(request, match, w.worker_id, config)
+            anonymous = anonymous or _plan(request, match, w, config)
             plans[w.worker_id] = anonymous
     return plans
 
@@ -90,8 +115,8 @@ def _momentary_key(w: WorkerLoad) -> tuple:
     return (w.backlog_s, w.queue_len, w.recent_busy_s, w.worker_id)
 
 
-def _within_guard(workers: Sequence[WorkerLoad], config: CostModelConfig) -> tuple[WorkerLoad, ...]:
-    """The load guard: workers whose recent work is within (1 + slack) * mean + floor. Never empty.
+def _ratio_guard(workers: Sequence[WorkerLoad], config: CostModelConfig) -> tuple[WorkerLoad, ...]:
+    """Workers whose recent work is within (1 + slack) * mean + floor. Never empty.
 
     NOTE: it bounds recent work (a decayed sum of the seconds assigned, queued work included), not the momentary
     backlog: the backlog is already a term of the predicted TTFT, while a hot prefix makes its holders the cheapest
@@ -105,6 +130,25 @@ def _within_guard(workers: Sequence[WorkerLoad], config: CostModelConfig) -> tup
     return allowed or (min(workers, key=_load_key),)
 
 
+def _within_guard(workers: Sequence[WorkerLoad], plans: dict[WorkerId, PrefixPlan],
+                  config: CostModelConfig) -> tuple[WorkerLoad, ...]:
+    """The load guard (module docstring): the ratio guard's workers, plus each worker past its bound whose cache
+    saves time over the best worker within it while it is idle or its lead in recent work is below that saving.
+    Never empty; order kept."""
+    within = _ratio_guard(workers, config)
+    if len(within) == len(workers):
+        return within
+    _, alt, _ = _best_by_cost(within, plans, config, 0.0, None)
+    alt_s = plans[alt.worker_id].ttft_s
+
+    def keeps(w: WorkerLoad) -> bool:
+        saving_s = alt_s - plans[w.worker_id].ttft_s
+        idle = w.queue_len == 0 and w.backlog_s == 0
+        return w in within or (saving_s > 0 and (idle or w.recent_busy_s - alt.recent_busy_s <= saving_s))
+
+    return tuple(w for w in workers if keeps(w))
+
+
 def _candidates(load: LoadView) -> tuple[tuple[WorkerLoad, ...], tuple[WorkerLoad, ...]]:
     prefill, decode = load.prefill_workers(), load.decode_workers()
     if not prefill or not decode:
@@ -113,11 +157,16 @@ def _candidates(load: LoadView) -> tuple[tuple[WorkerLoad, ...], tuple[WorkerLoa
     return prefill, decode
 
 
+def _route(p: WorkerLoad, d: WorkerLoad, plan: PrefixPlan, ttft_s: float, reason: str) -> RouteDecision:
+    return RouteDecision(p.worker_id, d.worker_id, p.worker_id != d.worker_id, ttft_s, plan.cached_tokens, reason,
+                         plan.ttft_s, plan.max_load_blocks)
+
+
 def _decision(request: RouteRequest, match: MatchResult, p: WorkerLoad, d: WorkerLoad, config: CostModelConfig,
               reason: str) -> RouteDecision:
-    plan = _plan(request, match, p.worker_id, config)
+    plan = _plan(request, match, p, config)
     ttft = p.backlog_s + plan.ttft_s + (0.0 if p.worker_id == d.worker_id else config.transfer_s(request.num_tokens))
-    return RouteDecision(p.worker_id, d.worker_id, p.worker_id != d.worker_id, ttft, plan.cached_tokens, reason)
+    return _route(p, d, plan, ttft, reason)
 
 
 # ----------------------------------------------------------------------------------------------------- kv_aware
@@ -148,23 +197,20 @@ def kv_aware(request: RouteRequest, match: MatchResult, load: LoadView, config: 
     """
     prefill, decode = _candidates(load)
     plans = _plans(request, match, load.workers, config)
-    allowed_d = _within_guard(decode, config)
-    local_key, local, local_ttft = _best_by_cost(allowed_d, plans, config, 0.0, None)
+    local_key, local, local_ttft = _best_by_cost(_within_guard(decode, plans, config), plans, config, 0.0, None)
     local_plan = plans[local.worker_id]
     if local_plan.uncached_tokens <= config.local_prefill_max_uncached_tokens:
-        return RouteDecision(local.worker_id, local.worker_id, False, local_ttft, local_plan.cached_tokens,
-                             f"local prefill: {local_plan.uncached_tokens} uncached tokens "
-                             f"<= {config.local_prefill_max_uncached_tokens}")
-    d = min(allowed_d, key=_momentary_key)
-    allowed_p = _within_guard(prefill, config)
+        return _route(local, local, local_plan, local_ttft, f"local prefill: {local_plan.uncached_tokens} uncached "
+                                                            f"tokens <= {config.local_prefill_max_uncached_tokens}")
+    d = min(_ratio_guard(decode, config), key=_momentary_key)  # its cache plays no part: the hand-off brings the KV
+    allowed_p = _within_guard(prefill, plans, config)
     pair_key, p, ttft = _best_by_cost(allowed_p, plans, config, config.transfer_s(request.num_tokens), d.worker_id)
     if local.can_prefill and local_key[0] <= pair_key[0]:
         p, d, ttft = local, local, local_ttft
     plan = plans[p.worker_id]
-    return RouteDecision(p.worker_id, d.worker_id, p.worker_id != d.worker_id, ttft, plan.cached_tokens,
-                         f"cached {plan.cached_blocks}/{len(request.block_hashes)} blocks "
-                         f"({'+'.join(sorted({t for t, _ in plan.sources})) or 'none'}); "
-                         f"load guard skipped {len(prefill) - len(allowed_p)} of {len(prefill)}")
+    return _route(p, d, plan, ttft, f"cached {plan.cached_blocks}/{len(request.block_hashes)} blocks "
+                                    f"({'+'.join(sorted({t for t, _ in plan.sources})) or 'none'}); "
+                                    f"load guard skipped {len(prefill) - len(allowed_p)} of {len(prefill)}")
 
 
 # ------------------------------------------------------------------------------------------- simple baselines

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Literal
 
+from router.cost_model import MeasuredCosts
 from router.index import WorkerId
 from router.load import LoadView, WorkerLoad
 
@@ -88,7 +89,7 @@ class WorkerRecord:
 
 @dataclass(frozen=True)
 class LoadFigures:
-    """The load a worker reports (WorkerLoad without the proto)."""
+    """The load a worker reports (WorkerLoad without the proto), with the costs it measured, if any."""
 
     running: int = 0
     waiting: int = 0
@@ -96,6 +97,7 @@ class LoadFigures:
     pending_prefill_tokens: int = 0
     running_tokens: int = 0
     backlog_s: float = 0.0
+    measured: MeasuredCosts | None = None
 
 
 @dataclass(frozen=True)
@@ -280,7 +282,8 @@ class WorkerRegistry:
         # NOTE: the router's own in-flight count is fresher than the last heartbeat; take the larger of the two.
         queue_len = max(e.load.running + e.load.waiting, e.inflight)
         return WorkerLoad(e.record.id, e.record.role, queue_len=queue_len, running_tokens=e.load.running_tokens,
-                          backlog_s=max(0.0, e.load.backlog_s), recent_busy_s=self._decayed(e))
+                          backlog_s=max(0.0, e.load.backlog_s), recent_busy_s=self._decayed(e),
+                          measured=e.load.measured)
 
     def _view(self, e: _Entry) -> WorkerView:
         return WorkerView(e.record, e.state, e.load, e.last_heartbeat_unix_ms, e.inflight, self._decayed(e),

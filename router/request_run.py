@@ -152,7 +152,7 @@ class RequestRun:
                 if decision.disaggregated and not self.progress.token_ids:
                     yield from self._disaggregated(decision)
                 else:
-                    yield from self._local(decision.decode_worker, decision.predicted_ttft_s)
+                    yield from self._local(decision)
                 return
             except _Aborted:
                 # NOTE: the worker's own ABORT chunk did not arrive in time (the call was cancelled after the
@@ -181,7 +181,7 @@ class RequestRun:
 
     def _disaggregated(self, decision: RouteDecision) -> Iterator[strata_pb2.GenerateResponse]:
         p, d = decision.prefill_worker, decision.decode_worker
-        first = self._prefill(p, d, decision.predicted_ttft_s)
+        first = self._prefill(decision)
         if first.finish_reason == common_pb2.FINISH_REASON_ABORT:
             yield self._final(common_pb2.FINISH_REASON_ABORT, common_pb2.Usage(prompt_tokens=len(self.prompt)))
             return
@@ -202,12 +202,17 @@ class RequestRun:
             cached_tokens=first.cached_tokens)
         yield from self._stream(d, "Decode", request, prefill=(p, first.timings), work_s=self._decode_work_s())
 
-    def _prefill(self, p: str, d: str, predicted_s: float) -> worker_pb2.PrefillResponse:
+    def _prefill(self, decision: RouteDecision) -> worker_pb2.PrefillResponse:
+        """Prefill on the decision's prefill worker, charging it the plan's work (fetch + prefill: its own seconds,
+        not the queue wait) and passing the plan's cap on store reads."""
+        p = decision.prefill_worker
         address = self.d.address_of(p)
         request = worker_pb2.PrefillRequest(request_id=self.request_id, token_ids=self.prompt, sampling=self.sampling,
                                             cache_salt=self.salt, lease_ms=self.d.config.lease_ms,
-                                            decode_worker_id=d)
-        self.d.registry.begin(p, predicted_s)
+                                            decode_worker_id=decision.decode_worker,
+                                            max_load_blocks=decision.max_load_blocks,
+                                            expected_cached_blocks=self._expected_blocks(decision))
+        self.d.registry.begin(p, decision.work_s)
         try:
             future = self.d.channels.stub(address).Prefill.future(request, timeout=self._remaining())
             self._attach(future, p, address)
@@ -220,11 +225,18 @@ class RequestRun:
         self.d.check_namespace(p, response.kv, self.salt, self.model)
         return response
 
-    def _local(self, d: str, prefill_s: float) -> Iterator[strata_pb2.GenerateResponse]:
+    def _local(self, decision: RouteDecision) -> Iterator[strata_pb2.GenerateResponse]:
         request = worker_pb2.WorkerGenerateRequest(request_id=self.request_id, token_ids=self.prompt,
                                                    sampling=self.sampling, cache_salt=self.salt,
-                                                   skip_text=self.params.skip_text)
-        yield from self._stream(d, "Generate", request, prefill=None, work_s=prefill_s + self._decode_work_s())
+                                                   skip_text=self.params.skip_text,
+                                                   max_load_blocks=decision.max_load_blocks,
+                                                   expected_cached_blocks=self._expected_blocks(decision))
+        yield from self._stream(decision.decode_worker, "Generate", request, prefill=None,
+                                work_s=decision.work_s + self._decode_work_s())
+
+    def _expected_blocks(self, decision: RouteDecision) -> int:
+        """Leading blocks the plan loads rather than computes (the worker's shared-tier index may lag behind)."""
+        return decision.cached_tokens // self.model.block_size
 
     def _decode_work_s(self) -> float:
         return self.sampling.max_tokens * self.d.config.decode_s_per_token
@@ -309,8 +321,11 @@ class RequestRun:
         if last is not None:
             t = last.timings
             m.timings.transfer_ms, m.timings.decode_ms = t.transfer_ms, t.decode_ms
-            if not disaggregated:
+            if not disaggregated:  # the decode worker prefilled: its own queue, prefill and onboarding figures
                 m.timings.queue_ms, m.timings.prefill_ms = t.queue_ms, t.prefill_ms
+                m.timings.load_lookup_ms, m.timings.load_read_ms = t.load_lookup_ms, t.load_read_ms
+                m.timings.load_verify_ms, m.timings.load_install_ms = t.load_verify_ms, t.load_install_ms
+                m.timings.blocks_by_tier.update(t.blocks_by_tier)
             m.blocks_transferred, m.blocks_from_store = last.blocks_transferred, last.blocks_from_store
             m.blocks_recomputed = last.blocks_recomputed
             m.tail_tokens_transferred = last.tail_tokens_transferred

@@ -9,6 +9,7 @@ Errors follow docs/api.md: every `ApiError` becomes its status with its message.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from concurrent import futures
 from typing import Callable, Iterable, Sequence
@@ -17,9 +18,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from router.cost_model import STORE_TIERS, MeasuredCosts, MeasuredRead
 from router.dispatch import GRPC_OPTIONS, Dispatcher
 from router.served_model import ServedModel
 from router.events_feed import EventsFeed
+from router.index import SHARED_TIERS
 from router.registry import LoadFigures, ModelFacts, UnknownWorker, WorkerRecord, WorkerRegistry, WorkerView
 from router.validation import ApiError, from_grpc
 from strata.v1 import common_pb2, router_pb2, router_pb2_grpc, strata_pb2, strata_pb2_grpc, worker_pb2
@@ -32,6 +35,8 @@ _ROLE_PROTO = {v: k for k, v in _ROLE_NAME.items()}
 _STATE_PROTO = {"ready": common_pb2.WORKER_STATE_READY, "draining": common_pb2.WORKER_STATE_DRAINING,
                 "dead": common_pb2.WORKER_STATE_DEAD}
 _FANOUT_TIMEOUT_S = 5.0
+# EvictCache / FlushCache without a caller's deadline: thousands of blocks on S3 take a while, a hang still ends.
+_ADMIN_TIMEOUT_S = 600.0
 
 
 # ------------------------------------------------------------------------------------------------ conversions
@@ -55,7 +60,23 @@ def record_from_proto(info: common_pb2.WorkerInfo, probed: bool = False) -> Work
 
 def load_from_proto(load: common_pb2.WorkerLoad) -> LoadFigures:
     return LoadFigures(load.running, load.waiting, load.kv_usage, load.pending_prefill_tokens, load.running_tokens,
-                       load.backlog_s)
+                       load.backlog_s, measured_from_proto(load))
+
+
+def measured_from_proto(load: common_pb2.WorkerLoad) -> MeasuredCosts | None:
+    """The costs a worker measured (WorkerLoad's measured fields), None when it reports none. A figure that is not
+    usable (no samples, NaN, a negative or infinite latency or rate, a bandwidth <= 0) is left out: the cost
+    model's default prices that tier (or the prefill) instead."""
+    reads = []
+    for tier in STORE_TIERS:
+        latency, bandwidth, samples = (getattr(load, f"{tier}_read_{name}")
+                                       for name in ("latency_s", "bytes_per_s", "samples"))
+        if samples and 0 <= latency < math.inf and bandwidth > 0:
+            reads.append(MeasuredRead(tier, latency, bandwidth, samples))
+    rate = load.prefill_tokens_per_s if 0 < load.prefill_tokens_per_s < math.inf else 0.0
+    if not reads and not rate:
+        return None
+    return MeasuredCosts(rate, load.prefill_rate_samples if rate else 0, tuple(reads))
 
 
 def view_to_proto(view: WorkerView, models: dict[str, ServedModel]) -> common_pb2.WorkerInfo:
@@ -160,16 +181,43 @@ class StrataService(strata_pb2_grpc.StrataServicer):
                                                              "(start it without --no-admin)")
 
     def _admin(self, request, context, method: str, response):
+        """Every selected worker acts on its local tiers; a shared tier (redis, s3), one backend for them all, is
+        acted on once, by one worker (`_ask_one`), so nothing is removed or counted twice."""
         views = self._select([request.worker_id] if request.worker_id else [], context)
         forward = type(request)()
         forward.CopyFrom(request)
-        answers = self._fan_out(views, lambda stub: getattr(stub, method)(forward, timeout=_FANOUT_TIMEOUT_S))
-        for view, (answer, error) in zip(views, answers):
+        timeout = _admin_timeout_s(context.time_remaining())
+
+        def call(stub):
+            return getattr(stub, method)(forward, timeout=timeout)
+
+        shared = request.tier in SHARED_TIERS
+        if shared and len(views) > 1:
+            answers = self._ask_one(request.tier, views, call)
+        else:
+            answers = [(view.record.id, *answer) for view, answer in zip(views, self._fan_out(views, call))]
+        for worker_id, answer, error in answers:
             if error:
-                response.results.add(worker_id=view.record.id, tier=request.tier, error=error)
+                response.results.add(worker_id=worker_id, tier=request.tier, error=error, shared=shared)
             else:
                 response.results.extend(answer.results)
         return response
+
+    def _ask_one(self, tier: str, views: Sequence[WorkerView], call: Callable) -> list[tuple[str, object, str]]:
+        """Ask the first worker (READY ones first) that runs `tier`; the next only when one could not be reached
+        (UNAVAILABLE: it did not act). Any other answer, an error included, is final: the worker may have acted."""
+        runs = [v for v in views if tier in v.record.tiers or not v.record.tiers]  # a probed worker may list none
+        if not runs:
+            return [("", None, f"no worker runs the {tier} tier")]
+        error = ""
+        for view in sorted(runs, key=lambda v: v.state != "ready"):
+            try:
+                return [(view.record.id, call(self.dispatcher.channels.stub(view.record.address)), "")]
+            except grpc.RpcError as exc:
+                error = f"{exc.code().name}: {exc.details()}"
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    return [(view.record.id, None, error)]
+        return [(view.record.id, None, error)]
 
     def _select(self, worker_ids: Sequence[str], context) -> list[WorkerView]:
         views = self.registry.workers()
@@ -190,6 +238,14 @@ class StrataService(strata_pb2_grpc.StrataServicer):
             except grpc.RpcError as exc:
                 return None, f"{exc.code().name}: {exc.details()}"
         return list(self._pool.map(one, views))
+
+
+def _admin_timeout_s(remaining_s: float | None) -> float:
+    """A worker's deadline for EvictCache / FlushCache: the caller's, less a little, so the router still answers in
+    time with what each worker did (a late worker is its own DEADLINE_EXCEEDED result)."""
+    if remaining_s is None:
+        return _ADMIN_TIMEOUT_S
+    return max(0.1, remaining_s - min(1.0, remaining_s / 10))
 
 
 # ---------------------------------------------------------------------------------------------- Registry

@@ -88,8 +88,9 @@ class WorkerEvents:
         if hashes:
             self.publish([BlockRemoved(block_hashes=[bytes(h) for h in hashes], medium=medium)])
 
-    def cleared(self) -> None:
-        self.publish([AllBlocksCleared()])
+    def cleared(self, medium: str | None = None) -> None:
+        """Every block of this worker is gone; with `medium`, every block of that tier only."""
+        self.publish([AllBlocksCleared(medium=medium)])
 
     def publish(self, events: list[KVEvent]) -> None:
         if self.publisher is None or not events:

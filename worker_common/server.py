@@ -30,6 +30,7 @@ from worker_common.cache_stats import cache_stats
 from worker_common.config import WorkerConfig
 from worker_common.convert import InvalidArgument
 from worker_common.engine_loop import EngineLoop, Failure, Tracked
+from worker_common.read_costs import ReadCostMeter
 from worker_common.engine_setup import EngineBundle, build_engine
 from worker_common.kv_events import WorkerEvents
 from worker_common.registration import RouterLink, advertised
@@ -56,6 +57,7 @@ class WorkerBase(worker_pb2_grpc.WorkerServicer):
         self.bundle.device_events = device
         self.store = build_store(config, self.events.publisher)
         self.loop = EngineLoop(self.bundle, name=f"{config.role}-engine", events=device)
+        self.loop.load.tier_reads = ReadCostMeter(self.store.stats).fields  # heartbeats carry measured read costs
         self.admin = CacheAdmin(self.worker_id, self.loop, self.store, self.events)
         self.router_link: RouterLink | None = None
         self.metrics_server = None             # the /metrics HTTP server (config.metrics_port >= 0)

@@ -43,7 +43,15 @@ class BlockRemoved:
 
 @dataclass(frozen=True)
 class AllBlocksCleared:
-    """Every block of the publisher is gone (cache reset, restart)."""
+    """Every block of the publisher is gone (cache reset, restart); with `medium`, every block of that tier only
+    (a flush of one tier, e.g. a shared redis or s3 tier whose keys the publisher cannot list).
+
+    NOTE: `medium` is Strata's addition; vLLM's struct has no field. It goes on the wire only when set, as one
+    trailing element (array events) or key (map events), which vLLM's msgspec decoders ignore, so a vLLM consumer
+    reads a one-tier clear as a clear of the publisher's every tier: an under-estimate, never a wrong hit.
+    """
+
+    medium: str | None = None
 
 
 KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]

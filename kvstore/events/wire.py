@@ -9,7 +9,8 @@ events are tagged structs (tag = class name). vLLM has shipped two shapes of the
 decoded by the routers that consume vLLM (Dynamo, llm-d, SGLang's router):
 
 - "array" (vLLM through 0.23, `array_like=True`): `["BlockStored", block_hashes, parent_block_hash, token_ids,
-  block_size, lora_id, medium, lora_name]`, `["BlockRemoved", block_hashes, medium]`, `["AllBlocksCleared"]`.
+  block_size, lora_id, medium, lora_name]`, `["BlockRemoved", block_hashes, medium]`, `["AllBlocksCleared"]`
+  (`["AllBlocksCleared", medium]` for Strata's one-tier clear: a trailing element msgspec decoders ignore).
   msgspec decoders ignore trailing elements they do not know, and every later vLLM field after `lora_name` has a
   default, so this one shape decodes under every array-era schema (we send `lora_name` as nil for that reason).
 - "map" (vLLM after PR #42892, `array_like` dropped from the events): `{"type": "BlockStored", "block_hashes": ...}`.
@@ -95,7 +96,8 @@ def _event_fields(event: KVEvent, enc: HashEncoding) -> tuple[str, list[tuple[st
         return "BlockRemoved", [("block_hashes", [_wire_hash(h, enc) for h in event.block_hashes]),
                                 ("medium", event.medium)]
     if isinstance(event, AllBlocksCleared):
-        return "AllBlocksCleared", []
+        # NOTE: vLLM's AllBlocksCleared has no field: `medium` is written only when set (see types.py)
+        return "AllBlocksCleared", [] if event.medium is None else [("medium", event.medium)]
     raise TypeError(f"not a KV event: {type(event).__name__}")
 
 
@@ -117,7 +119,7 @@ def encode_batch(batch: KVEventBatch, opts: WireOptions = WireOptions()) -> byte
 _FIELDS = {
     "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium"),
     "BlockRemoved": ("block_hashes", "medium"),
-    "AllBlocksCleared": (),
+    "AllBlocksCleared": ("medium",),
 }
 _REQUIRED = {"BlockStored": 4, "BlockRemoved": 1, "AllBlocksCleared": 0}
 _TYPES = {"BlockStored": BlockStored, "BlockRemoved": BlockRemoved, "AllBlocksCleared": AllBlocksCleared}
@@ -145,11 +147,13 @@ def _event_values(raw: Any) -> tuple[str, dict[str, Any]]:
 
 def decode_event(raw: Any) -> KVEvent:
     tag, values = _event_values(raw)
-    lists = ("block_hashes", "token_ids") if tag == "BlockStored" else ("block_hashes",) if values else ()
+    lists = {"BlockStored": ("block_hashes", "token_ids"), "BlockRemoved": ("block_hashes",)}.get(tag, ())
     if any(not isinstance(values[name], list) for name in lists):
         raise WireError(f"{tag}: {', '.join(lists)} must be arrays")
     if tag == "BlockStored" and not isinstance(values["block_size"], int):
         raise WireError(f"BlockStored: block_size must be an integer, got {values['block_size']!r}")
+    if not isinstance(values.get("medium"), (str, type(None))):
+        raise WireError(f"{tag}: medium must be a string or nil, got {values['medium']!r}")
     return _TYPES[tag](**values)
 
 

@@ -211,7 +211,7 @@ class KvHandle(_message.Message):
     def __init__(self, namespace_fingerprint: _Optional[bytes] = ..., block_size: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockLocation, _Mapping]]] = ..., lease_id: _Optional[str] = ..., lease_deadline_unix_ms: _Optional[int] = ..., lease_worker_address: _Optional[str] = ..., tail: _Optional[_Union[BlockLocation, _Mapping]] = ..., tail_tokens: _Optional[int] = ..., agent_metadata: _Optional[bytes] = ...) -> None: ...
 
 class CacheTierStats(_message.Message):
-    __slots__ = ("tier", "shared", "capacity_bytes", "used_bytes", "blocks", "hit_blocks", "miss_blocks", "hit_tokens", "miss_tokens", "bytes_read", "bytes_written", "evictions", "promotions", "demotions", "errors", "checksum_failures", "get_latency_p50_ms", "get_latency_p99_ms", "put_latency_p50_ms", "put_latency_p99_ms", "healthy")
+    __slots__ = ("tier", "shared", "capacity_bytes", "used_bytes", "blocks", "hit_blocks", "miss_blocks", "hit_tokens", "miss_tokens", "bytes_read", "bytes_written", "evictions", "promotions", "demotions", "errors", "checksum_failures", "get_latency_p50_ms", "get_latency_p99_ms", "put_latency_p50_ms", "put_latency_p99_ms", "healthy", "dropped")
     TIER_FIELD_NUMBER: _ClassVar[int]
     SHARED_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -233,6 +233,7 @@ class CacheTierStats(_message.Message):
     PUT_LATENCY_P50_MS_FIELD_NUMBER: _ClassVar[int]
     PUT_LATENCY_P99_MS_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
     tier: str
     shared: bool
     capacity_bytes: int
@@ -254,35 +255,66 @@ class CacheTierStats(_message.Message):
     put_latency_p50_ms: float
     put_latency_p99_ms: float
     healthy: bool
-    def __init__(self, tier: _Optional[str] = ..., shared: _Optional[bool] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., miss_tokens: _Optional[int] = ..., bytes_read: _Optional[int] = ..., bytes_written: _Optional[int] = ..., evictions: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., errors: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., get_latency_p50_ms: _Optional[float] = ..., get_latency_p99_ms: _Optional[float] = ..., put_latency_p50_ms: _Optional[float] = ..., put_latency_p99_ms: _Optional[float] = ..., healthy: _Optional[bool] = ...) -> None: ...
+    dropped: int
+    def __init__(self, tier: _Optional[str] = ..., shared: _Optional[bool] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., miss_tokens: _Optional[int] = ..., bytes_read: _Optional[int] = ..., bytes_written: _Optional[int] = ..., evictions: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., errors: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., get_latency_p50_ms: _Optional[float] = ..., get_latency_p99_ms: _Optional[float] = ..., put_latency_p50_ms: _Optional[float] = ..., put_latency_p99_ms: _Optional[float] = ..., healthy: _Optional[bool] = ..., dropped: _Optional[int] = ...) -> None: ...
 
 class WorkerCacheStats(_message.Message):
-    __slots__ = ("worker_id", "tiers", "collected_at_unix_ms", "error")
+    __slots__ = ("worker_id", "tiers", "collected_at_unix_ms", "error", "pending_writes")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     COLLECTED_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    PENDING_WRITES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     tiers: _containers.RepeatedCompositeFieldContainer[CacheTierStats]
     collected_at_unix_ms: int
     error: str
-    def __init__(self, worker_id: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[CacheTierStats, _Mapping]]] = ..., collected_at_unix_ms: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+    pending_writes: int
+    def __init__(self, worker_id: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[CacheTierStats, _Mapping]]] = ..., collected_at_unix_ms: _Optional[int] = ..., error: _Optional[str] = ..., pending_writes: _Optional[int] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("running", "waiting", "kv_usage", "pending_prefill_tokens", "running_tokens", "backlog_s")
+    __slots__ = ("running", "waiting", "kv_usage", "pending_prefill_tokens", "running_tokens", "backlog_s", "prefill_tokens_per_s", "prefill_rate_samples", "host_read_latency_s", "host_read_bytes_per_s", "host_read_samples", "disk_read_latency_s", "disk_read_bytes_per_s", "disk_read_samples", "redis_read_latency_s", "redis_read_bytes_per_s", "redis_read_samples", "s3_read_latency_s", "s3_read_bytes_per_s", "s3_read_samples")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_USAGE_FIELD_NUMBER: _ClassVar[int]
     PENDING_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BACKLOG_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_RATE_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    HOST_READ_LATENCY_S_FIELD_NUMBER: _ClassVar[int]
+    HOST_READ_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    HOST_READ_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    DISK_READ_LATENCY_S_FIELD_NUMBER: _ClassVar[int]
+    DISK_READ_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    DISK_READ_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    REDIS_READ_LATENCY_S_FIELD_NUMBER: _ClassVar[int]
+    REDIS_READ_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    REDIS_READ_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    S3_READ_LATENCY_S_FIELD_NUMBER: _ClassVar[int]
+    S3_READ_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    S3_READ_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     kv_usage: float
     pending_prefill_tokens: int
     running_tokens: int
     backlog_s: float
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., pending_prefill_tokens: _Optional[int] = ..., running_tokens: _Optional[int] = ..., backlog_s: _Optional[float] = ...) -> None: ...
+    prefill_tokens_per_s: float
+    prefill_rate_samples: int
+    host_read_latency_s: float
+    host_read_bytes_per_s: float
+    host_read_samples: int
+    disk_read_latency_s: float
+    disk_read_bytes_per_s: float
+    disk_read_samples: int
+    redis_read_latency_s: float
+    redis_read_bytes_per_s: float
+    redis_read_samples: int
+    s3_read_latency_s: float
+    s3_read_bytes_per_s: float
+    s3_read_samples: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., pending_prefill_tokens: _Optional[int] = ..., running_tokens: _Optional[int] = ..., backlog_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., prefill_rate_samples: _Optional[int] = ..., host_read_latency_s: _Optional[float] = ..., host_read_bytes_per_s: _Optional[float] = ..., host_read_samples: _Optional[int] = ..., disk_read_latency_s: _Optional[float] = ..., disk_read_bytes_per_s: _Optional[float] = ..., disk_read_samples: _Optional[int] = ..., redis_read_latency_s: _Optional[float] = ..., redis_read_bytes_per_s: _Optional[float] = ..., redis_read_samples: _Optional[int] = ..., s3_read_latency_s: _Optional[float] = ..., s3_read_bytes_per_s: _Optional[float] = ..., s3_read_samples: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
     __slots__ = ("id", "role", "address", "state", "load", "model", "kv_events_endpoint", "kv_replay_endpoint", "transfer_backends", "tiers", "last_heartbeat_unix_ms")
@@ -311,20 +343,22 @@ class WorkerInfo(_message.Message):
     def __init__(self, id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., state: _Optional[_Union[WorkerState, str]] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., kv_events_endpoint: _Optional[str] = ..., kv_replay_endpoint: _Optional[str] = ..., transfer_backends: _Optional[_Iterable[str]] = ..., tiers: _Optional[_Iterable[str]] = ..., last_heartbeat_unix_ms: _Optional[int] = ...) -> None: ...
 
 class CacheAdminResult(_message.Message):
-    __slots__ = ("worker_id", "tier", "blocks_removed", "bytes_freed", "blocks_demoted", "error")
+    __slots__ = ("worker_id", "tier", "blocks_removed", "bytes_freed", "blocks_demoted", "error", "shared")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_REMOVED_FIELD_NUMBER: _ClassVar[int]
     BYTES_FREED_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_DEMOTED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     tier: str
     blocks_removed: int
     bytes_freed: int
     blocks_demoted: int
     error: str
-    def __init__(self, worker_id: _Optional[str] = ..., tier: _Optional[str] = ..., blocks_removed: _Optional[int] = ..., bytes_freed: _Optional[int] = ..., blocks_demoted: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+    shared: bool
+    def __init__(self, worker_id: _Optional[str] = ..., tier: _Optional[str] = ..., blocks_removed: _Optional[int] = ..., bytes_freed: _Optional[int] = ..., blocks_demoted: _Optional[int] = ..., error: _Optional[str] = ..., shared: _Optional[bool] = ...) -> None: ...
 
 class EvictCacheRequest(_message.Message):
     __slots__ = ("worker_id", "tier", "block_hashes", "bytes", "demote")

@@ -8,20 +8,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "cache_salt", "lease_ms", "decode_worker_id")
+    __slots__ = ("request_id", "token_ids", "sampling", "cache_salt", "lease_ms", "decode_worker_id", "max_load_blocks", "expected_cached_blocks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_LOAD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     cache_salt: str
     lease_ms: int
     decode_worker_id: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., lease_ms: _Optional[int] = ..., decode_worker_id: _Optional[str] = ...) -> None: ...
+    max_load_blocks: int
+    expected_cached_blocks: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., lease_ms: _Optional[int] = ..., decode_worker_id: _Optional[str] = ..., max_load_blocks: _Optional[int] = ..., expected_cached_blocks: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("request_id", "first_token_id", "first_text_delta", "kv", "timings", "cached_tokens", "finish_reason", "worker_id", "stop_str", "stop_token_id", "first_logprobs", "prompt_logprobs")
@@ -72,18 +76,22 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., kv: _Optional[_Union[_common_pb2.KvHandle, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., skip_text: _Optional[bool] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class WorkerGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "cache_salt", "skip_text")
+    __slots__ = ("request_id", "token_ids", "sampling", "cache_salt", "skip_text", "max_load_blocks", "expected_cached_blocks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     SKIP_TEXT_FIELD_NUMBER: _ClassVar[int]
+    MAX_LOAD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     cache_salt: str
     skip_text: bool
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., skip_text: _Optional[bool] = ...) -> None: ...
+    max_load_blocks: int
+    expected_cached_blocks: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., skip_text: _Optional[bool] = ..., max_load_blocks: _Optional[int] = ..., expected_cached_blocks: _Optional[int] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
     __slots__ = ("request_id", "token_ids", "text_delta", "finish_reason", "usage", "stop_str", "stop_token_id", "timings", "blocks_transferred", "blocks_from_store", "blocks_recomputed", "kv_fallback_reason", "logprobs", "prompt_logprobs", "tail_tokens_transferred")

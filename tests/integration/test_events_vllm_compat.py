@@ -269,3 +269,25 @@ def test_strata_decodes_what_vllm_publishes():
         assert batch == KVEventBatch(ts=2.0, data_parallel_rank=1, events=[
             BlockStored([2**64 - 1, 5], None, [1, 2, 3, 4], 2, None, "GPU"), BlockRemoved([5], "GPU"),
             AllBlocksCleared()])
+
+
+@pytest.mark.parametrize("schema", list(SCHEMAS))
+def test_one_tier_clear_decodes_as_vllms_all_blocks_cleared(schema):
+    """Strata's `AllBlocksCleared(medium=...)` (a flush of one tier) adds one trailing element or key that vLLM's
+    decoders ignore: they read a clear of the publisher's every tier (an under-estimate, never a wrong hit), while
+    Strata's own decoder keeps the medium. Without a medium the bytes are vLLM's own."""
+    from kvstore.events import decode_batch
+
+    opts, batch_type = SCHEMAS[schema]
+    one_tier = KVEventBatch(ts=3.0, events=[AllBlocksCleared(medium="redis")], data_parallel_rank=0)
+    payload = encode_batch(one_tier, opts)
+    decoded = msgspec.msgpack.Decoder(type=batch_type).decode(payload)
+    assert [type(e).__name__.removeprefix(schema.capitalize()) for e in decoded.events] == ["AllBlocksCleared"]
+    assert decode_batch(payload).events == [AllBlocksCleared(medium="redis")]
+    every_tier = KVEventBatch(ts=3.0, events=[AllBlocksCleared()], data_parallel_rank=0)
+    cleared_type = {"legacy": LegacyAllBlocksCleared, "array": ArrayAllBlocksCleared, "map": MapAllBlocksCleared}
+    theirs = msgspec.msgpack.encode(batch_type(ts=3.0, events=[cleared_type[schema]()], **(
+        {} if schema == "legacy" else {"data_parallel_rank": 0})))
+    if schema != "legacy":  # the legacy batch has no data_parallel_rank: its bytes differ in that element
+        assert encode_batch(every_tier, opts) == theirs
+    assert decode_batch(encode_batch(every_tier, opts)).events == [AllBlocksCleared()]

@@ -95,3 +95,24 @@ def test_redis_killed_mid_run_is_skipped_counted_and_recovers(tmp_path, fresh_re
         assert store.flush(30)
         assert store.tier("redis").contains([HASHES[3]]) == [True]
         assert store.stats()["redis"].healthy
+
+
+def test_blocks_another_worker_wrote_to_s3_are_found_when_the_router_expects_them(tmp_path, s3_server, s3_bucket,
+                                                                                    s3_credentials):
+    """S3 answers lookups from a cached index: a block another worker stored since the last refresh looks absent,
+    until a lookup told (by the router's index) that more blocks are stored refreshes it, once."""
+    s3 = S3TierConfig(bucket=s3_bucket, endpoint_url=s3_server.url, region=s3_server.region)
+
+    def store_of(name: str) -> TieredStore:
+        return TieredStore(StoreConfig(host=HostTierConfig(capacity_bytes=16 * SLOT, slot_bytes=SLOT),
+                                       s3=s3, write_through=("s3",)))
+
+    with store_of("writer") as writer, store_of("reader") as reader:
+        assert reader.lookup(HASHES[:4]).num_hit_blocks == 0  # the reader's index is loaded now, and empty
+        writer.put(items(0, 1, 2, 3))
+        assert writer.flush(30)
+        assert reader.lookup(HASHES[:4]).num_hit_blocks == 0  # stale, and nobody said otherwise: no LIST
+        found = reader.lookup(HASHES[:5], expect=4)
+        assert found.tiers == ("s3",) * 4
+        got = reader.get(HASHES[:4], [bytearray(SLOT) for _ in range(4)], FP, hint=found.tiers)
+        assert got.tiers == ["s3"] * 4

@@ -212,3 +212,25 @@ def test_lost_kv_events_make_the_index_drop_the_worker_and_start_over():
                                                                publisher_restarted=True))
     assert resynced and index.match([new]).pooled_blocks == 0 and index.match([old]).pooled_blocks == 1
     index.check_integrity()
+
+
+def test_measured_costs_from_heartbeats_reach_the_load_view(registry):
+    """A worker's WorkerLoad carries its measured prefill rate and tier reads; the policy sees them per worker."""
+    import math
+
+    from router.cost_model import MeasuredCosts, MeasuredRead
+    from router.service import load_from_proto
+    from strata.v1 import common_pb2
+
+    load = common_pb2.WorkerLoad(running=1, prefill_tokens_per_s=8_000.0, prefill_rate_samples=40,
+                                 host_read_latency_s=1e-4, host_read_bytes_per_s=5e9, host_read_samples=30,
+                                 disk_read_latency_s=2e-3, disk_read_bytes_per_s=math.inf, disk_read_samples=12,
+                                 redis_read_latency_s=float("nan"), redis_read_bytes_per_s=1e9, redis_read_samples=9,
+                                 s3_read_latency_s=0.02, s3_read_bytes_per_s=0.0, s3_read_samples=5)
+    registry.register(make_record("p0", "prefill"))
+    registry.heartbeat("p0", load_from_proto(load))
+    # redis (NaN latency) and s3 (no bandwidth) are unusable: the cost model's defaults price them
+    assert registry.load_view().workers[0].measured == MeasuredCosts(8_000.0, 40, (
+        MeasuredRead("host", 1e-4, 5e9, 30), MeasuredRead("disk", 2e-3, math.inf, 12)))
+    registry.heartbeat("p0", load_from_proto(common_pb2.WorkerLoad(running=1)))
+    assert registry.load_view().workers[0].measured is None  # a worker that measures nothing: defaults

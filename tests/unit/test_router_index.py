@@ -16,6 +16,7 @@ from router.index import (
 
 W1, W2, STORE = WorkerId("w1"), WorkerId("w2"), WorkerId("store")
 DEV, HOST, REDIS = TIER_BIT["device"], TIER_BIT["host"], TIER_BIT["redis"]
+DISK, S3 = TIER_BIT["disk"], TIER_BIT["s3"]
 
 
 def h(i: int) -> bytes:
@@ -111,6 +112,18 @@ def test_removed_drops_only_that_tier():
     index.check_integrity()
 
 
+def test_removed_from_a_shared_tier_is_gone_for_every_worker():
+    """One redis backend: a block one worker saw leave it (an eviction) is no longer there for the others either;
+    their local tiers keep theirs."""
+    index = make_index(w1=[stored([0, 1], "redis"), stored([0, 1], "host")], w2=[stored([0, 1], "redis")])
+    assert index.apply(W2, batch(removed([1], "redis")), 1).status == "applied"
+    m = index.match(chain(2))
+    assert m.shared_masks == (REDIS, 0)
+    assert m.for_worker(W1).block_masks == (HOST | REDIS, HOST)
+    assert m.for_worker(W2).block_masks == (REDIS,)
+    index.check_integrity()
+
+
 def test_removed_of_unknown_blocks_or_workers_is_harmless():
     index = make_index(w1=[stored([0]), removed([5])], w2=[removed([0])])
     assert index.match(chain(1)).for_worker(W1).num_blocks == 1
@@ -124,6 +137,47 @@ def test_all_blocks_cleared_drops_only_that_worker():
     assert m.for_worker(W1).num_blocks == 0 and m.for_worker(W2).num_blocks == 1
     assert index.expected_seq(W1) == 2  # sequence tracking survives a clear
     index.check_integrity()
+
+
+def test_clear_of_a_local_tier_drops_only_that_tier_of_that_worker():
+    """A flush of w1's host tier: w1 keeps its device and disk entries, w2 its host entries."""
+    index = make_index(w1=[stored([0, 1]), stored([0, 1, 2], "host"), stored([0, 1, 2, 3], "disk")],
+                       w2=[stored([0, 1], "host")])
+    assert index.apply(W1, batch(AllBlocksCleared(medium="host")), 1).status == "applied"
+    m = index.match(chain(4))
+    assert m.for_worker(W1).block_masks == (DEV | DISK, DEV | DISK, DISK, DISK)
+    assert m.for_worker(W2).block_masks == (HOST, HOST)
+    assert index.num_blocks(W1) == 4  # every block is still held in another tier
+    index.check_integrity()
+
+
+def test_clear_of_a_shared_tier_drops_it_for_every_worker_and_keeps_host_and_disk():
+    """`strata cache flush --tier redis` empties the one backend every worker shares: the redis entries go, whoever
+    reported them, and no worker's host or disk entry goes with them."""
+    index = make_index(w1=[stored([0, 1, 2], "host"), stored([0, 1], "redis")],
+                       w2=[stored([0], "disk"), stored([0, 1, 2], "redis"), stored([0, 1, 2], "s3")])
+    assert index.apply(W1, batch(AllBlocksCleared(medium="redis")), 1).status == "applied"
+    m = index.match(chain(3))
+    assert m.shared_masks == (S3, S3, S3)
+    assert m.for_worker(W1).block_masks == (HOST | S3, HOST | S3, HOST | S3)
+    assert m.for_worker(W2).block_masks == (DISK | S3, S3, S3)
+    assert index.blocks_of(W2) == {h(0): ("disk", "s3"), h(1): ("s3",), h(2): ("s3",)}
+    index.check_integrity()
+
+
+def test_clear_of_a_tier_nobody_uses_and_clear_without_medium():
+    index = make_index(w1=[stored([0, 1], "host")], w2=[stored([0], "host")])
+    assert index.apply(W1, batch(AllBlocksCleared(medium="s3")), 1).status == "applied"
+    assert index.num_blocks(W1) == 2 and index.num_blocks(W2) == 1
+    assert index.apply(W1, batch(AllBlocksCleared()), 2).status == "applied"  # vLLM's form: every tier of w1
+    assert index.num_blocks(W1) == 0 and index.num_blocks(W2) == 1
+    index.check_integrity()
+
+
+def test_clear_of_an_unknown_medium_is_rejected_with_the_allowed_names():
+    index = make_index(w1=[stored([0])])
+    with pytest.raises(ValueError, match="medium must be one of"):
+        index.clear_tier(W1, "tape")
 
 
 def test_remove_worker_forgets_entries_and_sequence():

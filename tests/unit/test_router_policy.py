@@ -8,9 +8,18 @@ import pytest
 
 from kvstore.events import BlockStored, KVEventBatch
 from kvstore.hashing import Namespace, hash_blocks
-from router.cost_model import CostModelConfig, LinkCost, TierCosts, block_sources, plan_prefix
+from router.cost_model import (
+    CostModelConfig,
+    LinkCost,
+    MeasuredCosts,
+    MeasuredRead,
+    TierCosts,
+    block_sources,
+    plan_prefix,
+)
 from router.index import PrefixIndex, WorkerId
 from router.load import LoadView, WorkerLoad
+from router.registry import ModelFacts, WorkerRecord, WorkerRegistry
 from router.policy import (
     POLICIES,
     NoWorkerError,
@@ -46,12 +55,13 @@ def make_index(seq: int = 0, **holdings) -> PrefixIndex:
 
 
 def make_load(n: int = 3, role: str = "both", prefix: str = "w", **fields) -> list[WorkerLoad]:
-    """n workers; `backlog_s={"w1": 2.0}`, `recent_busy_s={...}` override per worker."""
+    """n workers; `backlog_s={"w1": 2.0}`, `recent_busy_s={...}`, `queue_len={...}` override per worker."""
     out = []
     for i in range(n):
         wid = WorkerId(f"{prefix}{i}")
         out.append(WorkerLoad(wid, role, backlog_s=fields.get("backlog_s", {}).get(wid, 0.0),
-                              recent_busy_s=fields.get("recent_busy_s", {}).get(wid, 0.0)))
+                              recent_busy_s=fields.get("recent_busy_s", {}).get(wid, 0.0),
+                              queue_len=fields.get("queue_len", {}).get(wid, 0)))
     return out
 
 
@@ -107,22 +117,82 @@ def test_kv_aware_cold_request_goes_to_the_least_loaded_then_lowest_id():
 
 def test_load_guard_skips_an_overloaded_holder():
     index = make_index(w0=[0, 1, 2, 3, 4, 5, 6, 7])
-    busy = {"w0": 10.0, "w1": 4.0, "w2": 4.0}  # mean 6; w0 is above 1.1 x 6
-    assert route(kv_aware, make_request(8), index, make_load(3, recent_busy_s=busy)).prefill_worker == "w1"
+    busy = {"w0": 10.0, "w1": 4.0, "w2": 4.0}  # mean 6; w0 is above 1.1 x 6, 6 s ahead of w1 > 32 ms of recompute
+    loads = make_load(3, recent_busy_s=busy, queue_len={"w0": 2})
+    assert route(kv_aware, make_request(8), index, loads).prefill_worker == "w1"
     no_guard = CFG.replace(load_slack=math.inf)
-    assert route(kv_aware, make_request(8), index, make_load(3, recent_busy_s=busy), no_guard).prefill_worker == "w0"
+    assert route(kv_aware, make_request(8), index, loads, no_guard).prefill_worker == "w0"
+
+
+def test_load_guard_keeps_an_idle_holder_past_its_bound():
+    """Nothing waits on w0: sending the request elsewhere would only recompute its 32 cached tokens."""
+    index = make_index(w0=([0, 1, 2, 3, 4, 5, 6, 7], "host"))
+    busy = {"w0": 10.0, "w1": 4.0, "w2": 4.0}
+    d = route(kv_aware, make_request(10), index, make_load(3, recent_busy_s=busy))
+    assert (d.prefill_worker, d.cached_tokens) == ("w0", 32)
+    assert "load guard skipped 0 of 3" in d.reason
+
+
+def test_load_guard_keeps_a_busy_holder_until_its_lead_exceeds_what_its_cache_saves():
+    """w0 has a queue and is past the bound (any lead is, against an idle peer); its 8 cached blocks save 32 ms of
+    prefill (1,000 tokens/s): it keeps the request while it leads w1 by at most that, and loses it beyond."""
+    index = make_index(w0=([0, 1, 2, 3, 4, 5, 6, 7], "host"))
+    near = make_load(2, recent_busy_s={"w0": 0.030}, queue_len={"w0": 1})
+    far = make_load(2, recent_busy_s={"w0": 0.034}, queue_len={"w0": 1})
+    assert route(kv_aware, make_request(8), index, near).prefill_worker == "w0"
+    moved = route(kv_aware, make_request(8), index, far)
+    assert (moved.prefill_worker, moved.cached_tokens) == ("w1", 0)
+
+
+def test_load_guard_still_spreads_workers_without_a_cache_advantage():
+    index = make_index(w0=[0, 1, 2, 3], w1=[0, 1, 2, 3])  # both hold the prefix: w0 saves nothing over w1
+    loads = make_load(2, recent_busy_s={"w0": 1.0, "w1": 0.5})
+    assert route(kv_aware, make_request(8), index, loads).prefill_worker == "w1"
+
+
+def _serve_through_registry(index: PrefixIndex, n_requests: int, concurrent: bool) -> list:
+    """The live router's accounting: the real registry's load view (recent work decayed from `begin`, the queue
+    from in-flight steps), 2 prefill + 2 decode workers, requests sharing a 16-block prefix + 2 blocks each."""
+    now = [0.0]
+    registry = WorkerRegistry(clock=lambda: now[0])
+    for wid, role in (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode"), ("d1", "decode")):
+        registry.register(WorkerRecord(WorkerId(wid), role, f"{wid}:1", ModelFacts("m")))
+    decisions = []
+    for r in range(n_requests):
+        request = RouteRequest(chain(list(range(16)) + [500 + 2 * r, 501 + 2 * r]), 18 * BS, r)
+        d = kv_aware(request, index.match(request.block_hashes), registry.load_view(), CFG)
+        registry.begin(d.prefill_worker, d.work_s)
+        if not concurrent:
+            registry.end(d.prefill_worker)
+            now[0] += 1.0
+        decisions.append(d)
+    return decisions
+
+
+@pytest.mark.parametrize("concurrent", [False, True], ids=["one-by-one", "burst"])
+def test_prefix_only_in_one_prefill_workers_host_tier_keeps_every_request_there(concurrent):
+    """The measured bug: with the prefix in p0's host tier only, the guard sent every other request to p1, which
+    recomputed it all. p1 gains nothing from them: p0's lead (2 uncached blocks, 8 ms a request) stays below the
+    64 ms its cache saves for all six."""
+    index = make_index(p0=(list(range(16)), "host"))
+    decisions = _serve_through_registry(index, 6, concurrent)
+    assert [(d.prefill_worker, d.cached_tokens) for d in decisions] == [("p0", 64)] * 6
+    # charged: the prefill of 8 tokens + one host read (50 us), not the queue wait
+    assert all(d.work_s == pytest.approx(0.008 + 50e-6) for d in decisions)
 
 
 def _replay_hot_prefix(config: CostModelConfig, n_requests: int = 80) -> Counter:
-    """Every request: the same 6-block hot prefix + 2 blocks of its own. Workers publish what they compute and
-    accumulate the work they are given, as the router's load view would show."""
-    index, busy, seq = PrefixIndex(), Counter(), Counter()
+    """A burst: every request has the same 6-block hot prefix + 2 blocks of its own. Workers publish what they
+    compute and accumulate the work and the queue they are given, as the router's load view would show."""
+    index, busy, queued, seq = PrefixIndex(), Counter(), Counter(), Counter()
     for r in range(n_requests):
         ids = list(range(6)) + [1000 + 2 * r, 1001 + 2 * r]
         request = RouteRequest(chain(ids), len(ids) * BS, r)
-        loads = [WorkerLoad(WorkerId(f"w{i}"), recent_busy_s=busy[f"w{i}"]) for i in range(4)]
+        loads = [WorkerLoad(WorkerId(f"w{i}"), recent_busy_s=busy[f"w{i}"], queue_len=queued[f"w{i}"])
+                 for i in range(4)]
         d = kv_aware(request, index.match(request.block_hashes), LoadView.of(loads), config)
         busy[d.prefill_worker] += (request.num_tokens - d.cached_tokens) / config.prefill_tokens_per_s
+        queued[d.prefill_worker] += 1
         event = BlockStored(list(request.block_hashes), None, [], BS, None, "GPU")
         index.apply(WorkerId(d.prefill_worker), KVEventBatch(0.0, [event]), seq[d.prefill_worker])
         seq[d.prefill_worker] += 1
@@ -189,6 +259,86 @@ def test_plan_prefix_recomputes_when_the_tier_is_slower_than_prefill():
 def test_plan_prefix_stops_loading_where_a_slow_run_begins():
     cfg = CFG.replace(kv_bytes_per_token=1000, tiers=TierCosts(s3=LinkCost(1e5, 0.0)))
     assert plan_prefix(cfg, [("device", 3), ("s3", 5)], 32).cached_blocks == 3
+
+
+def measured(prefill_tokens_per_s: float = 0.0, samples: int = 100, **reads: tuple[float, float]) -> MeasuredCosts:
+    """`measured(disk=(latency_s, bytes_per_s))`: a worker's heartbeat figures, `samples` behind each."""
+    return MeasuredCosts(prefill_tokens_per_s, samples if prefill_tokens_per_s else 0,
+                         tuple(MeasuredRead(t, lat, bw, samples) for t, (lat, bw) in reads.items()))
+
+
+def one_pair(m: MeasuredCosts | None) -> list[WorkerLoad]:
+    return [WorkerLoad(WorkerId("p0"), "prefill", measured=m), WorkerLoad(WorkerId("d0"), "decode")]
+
+
+def test_measured_slow_tier_makes_the_plan_recompute_and_the_worker_read_nothing():
+    """Defaults: NVMe at 3 GB/s, so 8 disk blocks (32 KB) load in 0.2 ms instead of 32 ms of prefill. p0 measured its
+    disk at 50 ms a call: recomputing is faster, so nothing is cached and the worker is told to read no block."""
+    cfg = CFG.replace(kv_bytes_per_token=1000)
+    index = make_index(p0=([0, 1, 2, 3, 4, 5, 6, 7], "disk"))
+    fast = route(kv_aware, make_request(8), index, one_pair(None), cfg)
+    slow = route(kv_aware, make_request(8), index, one_pair(measured(disk=(0.050, 3e9))), cfg)
+    assert (fast.cached_tokens, fast.max_load_blocks) == (32, None)
+    assert (slow.prefill_worker, slow.cached_tokens, slow.max_load_blocks) == ("p0", 0, 0)
+    assert slow.work_s == pytest.approx(0.032)  # 32 tokens at 1,000 tokens/s
+
+
+def test_measured_slow_tier_after_device_blocks_caps_the_load_at_the_device_run():
+    cfg = CFG.replace(kv_bytes_per_token=1000)
+    index = make_index(p0=[0, 1], store=([0, 1, 2, 3, 4, 5, 6, 7], "s3"))
+    d = route(kv_aware, make_request(9), index, one_pair(measured(s3=(0.2, 1e8))), cfg)
+    assert (d.prefill_worker, d.cached_tokens, d.max_load_blocks) == ("p0", 8, 2)  # the 6 s3 blocks: recomputed
+
+
+def test_measured_figures_with_too_few_samples_leave_the_defaults():
+    cfg = CFG.replace(kv_bytes_per_token=1000, min_measured_samples=50)
+    index = make_index(p0=([0, 1, 2, 3, 4, 5, 6, 7], "disk"))
+    d = route(kv_aware, make_request(8), index, one_pair(measured(samples=49, disk=(0.050, 3e9))), cfg)
+    assert (d.cached_tokens, d.max_load_blocks) == (32, None)
+
+
+def test_measured_prefill_rate_replaces_the_default():
+    """S3 costs 20 ms a call by default. At the default 1,000 tokens/s, 32 tokens take 32 ms: load them. A worker
+    that measured 10,000 tokens/s computes them in 3.2 ms: it recomputes instead."""
+    cfg = CFG.replace(kv_bytes_per_token=1000)
+    index = make_index(store=([0, 1, 2, 3, 4, 5, 6, 7], "s3"))
+    default = route(kv_aware, make_request(9), index, one_pair(None), cfg)
+    assert (default.prefill_worker, default.cached_tokens) == ("p0", 32)
+    d = route(kv_aware, make_request(9), index, one_pair(measured(10_000.0)), cfg)
+    assert (d.prefill_worker, d.cached_tokens, d.max_load_blocks) == ("p0", 0, 0)
+    assert d.work_s == pytest.approx(0.0036)  # 36 tokens at 10,000 tokens/s
+
+
+def test_each_worker_is_priced_with_its_own_measurements():
+    """Both prefill workers can read the prefix from the shared s3 tier; p1 measured slow s3 reads, p0 did not
+    (defaults): p0 loads it, so p0 gets the request."""
+    cfg = CFG.replace(kv_bytes_per_token=1000)
+    index = make_index(store=([0, 1, 2, 3, 4, 5, 6, 7], "s3"))
+    loads = [WorkerLoad(WorkerId("p0"), "prefill", recent_busy_s=1.0),
+             WorkerLoad(WorkerId("p1"), "prefill", measured=measured(s3=(0.5, 1e6))),
+             WorkerLoad(WorkerId("d0"), "decode")]
+    d = route(kv_aware, make_request(9), index, loads, cfg.replace(load_slack=math.inf))
+    assert (d.prefill_worker, d.cached_tokens) == ("p0", 32)
+
+
+def test_with_measured_replaces_only_the_figures_with_enough_samples():
+    cfg = CostModelConfig(min_measured_samples=10)
+    m = MeasuredCosts(5_000.0, 10, (MeasuredRead("host", 1e-4, 4e9, 10), MeasuredRead("redis", 1e-3, 1e8, 9)))
+    mine = cfg.with_measured(m)
+    assert (mine.prefill_tokens_per_s, mine.tiers.host, mine.tiers.redis) == (5_000.0, LinkCost(4e9, 1e-4),
+                                                                            cfg.tiers.redis)
+    assert cfg.with_measured(None) is cfg and cfg.with_measured(MeasuredCosts()) is cfg
+
+
+def test_measured_figures_are_validated():
+    with pytest.raises(ValueError, match="tier must be one of"):
+        MeasuredRead("device", 0.0, 1e9, 1)
+    with pytest.raises(ValueError, match="bytes_per_s must be > 0"):
+        MeasuredRead("disk", 0.0, 0.0, 1)
+    with pytest.raises(ValueError, match="latency_s must be >= 0"):
+        MeasuredRead("disk", float("nan"), 1e9, 1)
+    with pytest.raises(ValueError, match="min_measured_samples"):
+        CostModelConfig(min_measured_samples=0)
 
 
 def test_peer_fetch_lets_a_worker_load_blocks_only_a_peer_holds():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from engine.sampling_params import SamplingParams
 from kvstore import codec
@@ -121,6 +122,10 @@ def test_finished_blocks_written_to_the_store_load_into_another_engine(model):
         assert store_computed_blocks(first, store, tokens, fp) == 0, "blocks the host tier holds are skipped"
         second = engine_of(model)
         hashes = hash_blocks(fp, tokens, 16)[:3]
-        payloads = load_prefix(second, store, hashes, fp)
-    assert len(payloads) == 3 and all(p is not None for p in payloads)
-    assert install_blocks(second, hashes, payloads).num_written == 3
+        loaded = load_prefix(second, store, hashes, fp)
+    payloads = loaded.payloads
+    assert len(payloads) == 3 and all(p is not None for p in payloads) and loaded.by_tier == {"host": 3}
+    installed = install_blocks(second, hashes, payloads)
+    assert installed.num_written == 3
+    first_ids = [first.engine.block_manager.pool.lookup(h) for h in hashes]
+    assert torch.equal(second.runner.read_blocks(installed.pinned), first.runner.read_blocks(first_ids))
