@@ -3,16 +3,15 @@
 One `strata serve` (router + prefill + decode worker processes) with every tier configured: host, disk, a real
 `redis-server` and moto's S3 server, all started here on free loopback ports. Per round and per condition, a fresh
 random prefix (`--prefix-tokens`, default 1,984 = 124 blocks) is computed once by a warm request, the background
-writes are waited for, and the tiers faster than the condition are flushed on every worker; then a request with the
-same prefix and `--new-tokens` new tokens is timed over gRPC (first token on the client). A second `strata serve`
-with host and disk only runs beside it, for the reference of a host hit when no shared tier is configured:
-
-    cold    nothing cached                     host    device flushed          redis   device, host, disk flushed
-    device  nothing flushed                    disk    device, host flushed    s3      everything but s3 flushed
+writes are waited for, and every tier but the condition's is flushed; then a request with the
+same prefix and `--new-tokens` new tokens is timed over gRPC (first token on the client). "Prefix in host" means in
+host only: every other tier, the device cache included, is flushed on every worker (shared tiers once). A second
+`strata serve` with host and disk only runs beside it, for the reference of a host hit when no shared tier is
+configured.
 
 Conditions run in a different order each round (interleaved); the table shows medians, `cold ÷ this`, and the
-onboarding breakdown the serving worker reports (lookup, read, verify, install, then the rest of the prefill and the
-hand-off), next to the bound: the prefix's bytes ÷ the tier's raw read bandwidth measured in this run (a memcpy for
+onboarding breakdown the serving worker reports (lookup, read, verify, install, then the computation of the new
+tokens, and the serving path around it: router, RPCs, queue), next to the bound: the prefix's bytes ÷ the tier's raw read bandwidth measured in this run (a memcpy for
 host, a read of the same bytes from files for disk, one pipelined GET for Redis, one GET of one object for S3).
 
     python benchmarks/ttft_tiers.py                        # 3 rounds, 1,984 cached + 63 new tokens
@@ -41,9 +40,8 @@ from strata.launcher import LocalLauncher, ServeConfig  # noqa: E402
 from strata.paths import resolve_model  # noqa: E402
 
 CONDITIONS = ("cold", "device", "host", "disk", "redis", "s3")
-FLUSHED = {"cold": (), "device": (), "host": ("device",), "disk": ("device", "host"),
-           "redis": ("device", "host", "disk"), "s3": ("device", "host", "disk", "redis")}
-BREAKDOWN = ("lookup", "read", "verify", "install", "rest")
+TIERS = ("device", "host", "disk", "redis", "s3")
+BREAKDOWN = ("lookup", "read", "verify", "install", "compute", "serving")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -76,8 +74,10 @@ class Bench:
         if condition != "cold":
             self.client.generate(prefix + self.tokens(self.args.new_tokens), max_tokens=1, ignore_eos=True)
             self.wait_for_writes()
-            for tier in FLUSHED[condition]:
-                self.client.flush_cache(tier=tier)
+            configured = {t.tier for w in self.client.cache_stats() for t in w.tiers}
+            for tier in TIERS:  # the prefix is left in `condition` only, on whichever worker computed it
+                if tier != condition and tier in configured:
+                    self.client.flush_cache(tier=tier)
         return self.timed(prefix + self.tokens(self.args.new_tokens))
 
     def wait_for_writes(self, timeout_s: float = 120.0) -> None:
@@ -99,8 +99,11 @@ class Bench:
         t = last.metrics.timings
         load = {"lookup": t.load_lookup_ms, "read": t.load_read_ms, "verify": t.load_verify_ms,
                 "install": t.load_install_ms}
-        return {"ttft_ms": ttft * 1e3, **{k: v for k, v in load.items()},
-                "rest": max(0.0, ttft * 1e3 - sum(load.values())),
+        # The worker's prefill_ms is lookup + read + verify + compute (install runs before its clock starts);
+        # serving: the rest of the client's TTFT (router, RPCs, queue, the first token's way back).
+        compute = max(0.0, t.prefill_ms - t.load_lookup_ms - t.load_read_ms - t.load_verify_ms)
+        return {"ttft_ms": ttft * 1e3, **load, "compute": compute,
+                "serving": max(0.0, ttft * 1e3 - t.prefill_ms - t.load_install_ms),
                 "cached_tokens": last.usage.cached_tokens, "by_tier": dict(t.blocks_by_tier)}
 
 
@@ -183,7 +186,11 @@ def report(summary: dict[str, dict], bound_ms: dict[str, float], bandwidth: dict
 
 
 def plot(summary: dict[str, dict], path: str) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"no plot: matplotlib is not installed (pip install matplotlib), {path} not written")
+        return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

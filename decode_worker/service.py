@@ -165,8 +165,11 @@ class DecodeService(WorkerBase):
             started = time.perf_counter()
             loaded = load_prefix(self.bundle, self.store, hashes, fingerprint, request)
             load_s = time.perf_counter() - started
-            installed = self._admit(tracked, request.request_id, prompt, params, fingerprint, hashes,
-                                    loaded.payloads, context)
+            try:
+                installed = self._admit(tracked, request.request_id, prompt, params, fingerprint, hashes,
+                                        loaded.payloads, context)
+            finally:
+                loaded.release()  # admission copied the payloads into the cache
             timings = common_pb2.Timings()
             fill_load_timings(timings, loaded, installed)
             yield from self._stream(tracked, request.request_id, context, timings, len(prompt), None, None, "",

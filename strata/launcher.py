@@ -34,11 +34,7 @@ from worker_common.config import TRANSFER_BACKENDS
 from worker_common.store_setup import s3_config
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-# NOTE: children are started with fork() (a preexec_fn makes them die with the launcher). With gRPC's fork support
-# on (grpcio's default), a process that has used gRPC restarts gRPC's poller in the forked child, which then finds
-# its epoll fd closed by close_fds and aborts before exec (the child "exits with -6"; 1 in 200 spawns measured
-# here). The launcher uses gRPC and forks afterwards (tests start clusters one after another), so it opts out.
-os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+# NOTE: children are started with fork(); gRPC's fork support is turned off in `strata/__init__.py` (why: there).
 
 WORKER_READY = re.compile(r"^READY (\S+) role=(\w+) worker_id=(\S+)")
 ROUTER_READY = re.compile(r"^READY grpc=(\S+) http=(\S*)")

@@ -18,7 +18,7 @@ Engine-thread only (`install_blocks`, `read_device_payloads`); the rest is pure.
 from __future__ import annotations
 
 import time
-from typing import Any, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -27,6 +27,7 @@ from kvstore import codec
 from kvstore.hashing import hash_blocks
 from kvstore.store import TieredStore
 from worker_common.engine_setup import EngineBundle
+from worker_common.staging import StagingPool
 
 
 class InstallResult(NamedTuple):
@@ -65,9 +66,14 @@ class StagedPayloads(Sequence):
         return self._staging[:self._count, self._offset:self._offset + size]  # uint8 [count, payload_bytes]
 
     def gather(self, indices: Sequence[int]) -> torch.Tensor:
-        """Cache-shaped payloads `[n, layers, 2, block_size, kv_heads, head_dim]` of items `indices` (one copy)."""
-        rows = torch.as_tensor([i - self._lead for i in indices], dtype=torch.long)
-        picked = self._rows().index_select(0, rows)  # uint8 [n, payload_bytes], contiguous
+        """Cache-shaped payloads `[n, layers, 2, block_size, kv_heads, head_dim]` of items `indices`: a view of the
+        staging rows when they are consecutive (the usual case: no copy before the cache's own), else one copy."""
+        rows = [i - self._lead for i in indices]
+        start = rows[0] if rows else 0
+        if rows == list(range(start, start + len(rows))):
+            picked = self._rows()[start:start + len(rows)]  # uint8 [n, payload_bytes], rows strided by a slot
+        else:
+            picked = self._rows().index_select(0, torch.as_tensor(rows, dtype=torch.long))
         return picked.view(self._bundle.torch_dtype).view(len(indices), *self._bundle.block_shape)
 
 
@@ -77,6 +83,10 @@ class LoadedPrefix(NamedTuple):
     lookup_s: float
     read_s: float
     verify_s: float
+    release: Callable[[], None] = lambda: None  # call once installed: the payloads' staging serves the next load
+
+
+STAGING = StagingPool()  # this worker's staging buffers for prefix loads
 
 
 def slot_bytes(bundle: EngineBundle) -> int:
@@ -166,16 +176,20 @@ def payload_tensor(bundle: EngineBundle, payloads: Sequence[memoryview]) -> torc
 
 
 def load_from_store(bundle: EngineBundle, store: TieredStore, hashes: Sequence[bytes],
-                    fingerprint: bytes, lead: int = 0, expect: int = 0) -> LoadedPrefix:
+                    fingerprint: bytes, lead: int = 0, expect: int = 0, pool: StagingPool | None = None) -> LoadedPrefix:
     """Verified payloads of the leading blocks any tier of `store` holds (possibly none), after `lead` Nones.
-    `expect`: how many of `hashes` the router's index says some tier holds (`TieredStore.lookup`)."""
+    `expect`: how many of `hashes` the router's index says some tier holds (`TieredStore.lookup`). With a `pool`,
+    the payloads live in one of its buffers until the caller calls `release` (after installing them)."""
     started = time.perf_counter()
     found = store.lookup(list(hashes), expect=expect) if hashes else None
     lookup_s = time.perf_counter() - started
     if not found or not found.num_hit_blocks:
         return LoadedPrefix([None] * lead, {"device": lead} if lead else {}, lookup_s, 0.0, 0.0)
     n = found.num_hit_blocks
-    staging = torch.empty((n, slot_bytes(bundle)), dtype=torch.uint8)  # one row per block, no zero fill
+    if pool is not None:
+        staging, release = pool.acquire(n, slot_bytes(bundle))  # one row per block
+    else:
+        staging, release = torch.empty((n, slot_bytes(bundle)), dtype=torch.uint8), (lambda: None)
     rows = staging.numpy()
     result = store.get(list(hashes[:n]), [memoryview(rows[i]) for i in range(n)], fingerprint, hint=found.tiers)
     count = result.num_hit_blocks
@@ -189,7 +203,7 @@ def load_from_store(bundle: EngineBundle, store: TieredStore, hashes: Sequence[b
         by_tier[tier] = by_tier.get(tier, 0) + 1
     offset = offsets.pop() if count else 0
     payloads = StagedPayloads(bundle, staging, offset, count, lead)
-    return LoadedPrefix(payloads, by_tier, lookup_s, result.read_s, result.verify_s)
+    return LoadedPrefix(payloads, by_tier, lookup_s, result.read_s, result.verify_s, release)
 
 
 def _payload_offset(block: codec.DecodedBlock, row: np.ndarray) -> int:
@@ -233,7 +247,8 @@ def store_computed_blocks(bundle: EngineBundle, store: TieredStore, token_ids: S
 def load_prefix(bundle: EngineBundle, store: TieredStore, hashes: Sequence[bytes], fingerprint: bytes,
                 plan: Any = None) -> LoadedPrefix:
     """What `install_blocks` needs for a prompt's cacheable blocks: None for the leading blocks the device holds,
-    then verified payloads of the next ones any store tier holds. `plan`: the router's request
+    then verified payloads of the next ones any store tier holds, in a pooled staging buffer: call the result's
+    `release` once they are installed (never before: the next load overwrites it). `plan`: the router's request
     (`PrefillRequest` / `WorkerGenerateRequest`): load at most `max_load_blocks` leading blocks when set (loading
     more was found slower than recomputing them; blocks already on the device cost nothing and are always used),
     and expect `expected_cached_blocks` to be stored somewhere (a shared tier's cached index that knows fewer is
@@ -244,7 +259,8 @@ def load_prefix(bundle: EngineBundle, store: TieredStore, hashes: Sequence[bytes
         if plan.HasField("max_load_blocks"):
             hashes = hashes[:max(plan.max_load_blocks, on_device)]
         expect = max(0, min(plan.expected_cached_blocks, len(hashes)) - on_device)
-    return load_from_store(bundle, store, hashes[on_device:], fingerprint, lead=on_device, expect=expect)
+    return load_from_store(bundle, store, hashes[on_device:], fingerprint, lead=on_device, expect=expect,
+                           pool=STAGING)
 
 
 def fill_load_timings(timings, loaded: LoadedPrefix, installed: InstallResult) -> None:

@@ -129,3 +129,21 @@ def test_finished_blocks_written_to_the_store_load_into_another_engine(model):
     assert installed.num_written == 3
     first_ids = [first.engine.block_manager.pool.lookup(h) for h in hashes]
     assert torch.equal(second.runner.read_blocks(installed.pinned), first.runner.read_blocks(first_ids))
+
+
+def test_staging_buffers_are_reused_only_after_release():
+    from worker_common.staging import StagingPool
+
+    pool = StagingPool(max_free=2)
+    first = pool.acquire(4, 1000)
+    second = pool.acquire(4, 1000)
+    assert first.tensor.data_ptr() != second.tensor.data_ptr()  # both in use: never the same memory
+    first.release()
+    first.release()  # idempotent: the buffer is not handed out twice
+    again = pool.acquire(2, 1000)
+    assert again.tensor.data_ptr() == first.tensor.data_ptr() and tuple(again.tensor.shape) == (2, 1000)
+    other = pool.acquire(2, 1000)
+    assert other.tensor.data_ptr() not in (again.tensor.data_ptr(), second.tensor.data_ptr())
+    for staging in (second, again, other):
+        staging.release()
+    assert pool.idle_bytes() <= 2 * (1 << 20)  # at most max_free buffers kept
