@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from itertools import islice
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -140,7 +141,7 @@ class WriteBehind:
                 if self._stopping and not self._pending:
                     return None
                 now = self._clock()
-                due = [k for k, e in self._pending.items() if e.ready_at <= now][:self._max_batch]
+                due = list(islice((k for k, e in self._pending.items() if e.ready_at <= now), self._max_batch))
                 if due:
                     batch = [(k, self._pending.pop(k)) for k in due]
                     self._in_flight += len(batch)

@@ -22,6 +22,7 @@ _COUNTERS = (
     ("evictions", "Blocks evicted"), ("promotions", "Blocks copied up from a slower tier"),
     ("demotions", "Blocks moved down on eviction"), ("errors", "Failed tier operations"),
     ("checksum_failures", "Blocks rejected by the codec's checksum (recomputed instead)"),
+    ("dropped", "Background writes into the tier that could not be written (counted, never silent)"),
 )
 _GAUGES = (
     ("capacity_bytes", "Configured capacity"), ("used_bytes", "Bytes held"), ("blocks", "Blocks held"),
@@ -105,6 +106,8 @@ class CacheTierCollector:
         families.update((name, GaugeMetricFamily(f"strata_cache_{name}", doc, labels=["worker", "tier"]))
                         for name, doc in _GAUGES)
         healthy = GaugeMetricFamily("strata_cache_healthy", "1 while the tier answers", labels=["worker", "tier"])
+        pending = GaugeMetricFamily("strata_cache_pending_writes", "Background writes the worker still owes",
+                                    labels=["worker"])
         for worker_id, stats in self._snapshot():
             if stats is None:
                 self._scrape_errors[worker_id] = self._scrape_errors.get(worker_id, 0) + 1
@@ -114,10 +117,12 @@ class CacheTierCollector:
                 for name, family in families.items():
                     family.add_metric(labels, float(getattr(tier, name)))
                 healthy.add_metric(labels, 1.0 if tier.healthy else 0.0)
+            pending.add_metric([worker_id], float(stats.pending_writes))
         errors = CounterMetricFamily("strata_cache_scrape_errors", "Scrapes a worker did not answer",
                                      labels=["worker"])
         for worker_id, n in self._scrape_errors.items():
             errors.add_metric([worker_id], float(n))
         yield from families.values()
         yield healthy
+        yield pending
         yield errors
