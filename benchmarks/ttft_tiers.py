@@ -41,6 +41,7 @@ from strata.paths import resolve_model  # noqa: E402
 
 CONDITIONS = ("cold", "device", "host", "disk", "redis", "s3")
 TIERS = ("device", "host", "disk", "redis", "s3")
+SETTLE_S = 0.5
 BREAKDOWN = ("lookup", "read", "verify", "install", "compute", "serving")
 
 
@@ -78,6 +79,7 @@ class Bench:
             for tier in TIERS:  # the prefix is left in `condition` only, on whichever worker computed it
                 if tier != condition and tier in configured:
                     self.client.flush_cache(tier=tier)
+        time.sleep(SETTLE_S)  # every condition alike: the setup's aftermath (KV events, index updates) is not timed
         return self.timed(prefix + self.tokens(self.args.new_tokens))
 
     def wait_for_writes(self, timeout_s: float = 120.0) -> None:

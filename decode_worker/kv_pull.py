@@ -24,7 +24,8 @@ from kvstore.transfer import (Descriptor, LeaseExpired, PeerUnavailable, Transfe
                               TransferTimeout, UnknownRegion, pack_views)
 from strata.v1 import common_pb2
 from worker_common.engine_setup import EngineBundle
-from worker_common.kv_blocks import device_prefix_blocks, load_from_store, verified_payload
+from worker_common.kv_blocks import device_prefix_blocks, verified_payload
+from worker_common.prefix_load import load_from_store
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,8 @@ from worker_common.convert import (InvalidArgument, check_handle, check_prompt, 
                                    sampling_from_proto)
 from worker_common.engine_loop import failure_of
 from worker_common.engine_setup import EngineBundle
-from worker_common.kv_blocks import cacheable_blocks, fill_load_timings, load_prefix, store_computed_blocks
+from worker_common.kv_blocks import cacheable_blocks, store_computed_blocks
+from worker_common.prefix_load import ChunkInstaller, fill_load_timings, load_prefix
 from worker_common.server import GRPC_OPTIONS, WorkerBase
 from worker_common.streaming import StreamingRequest, ms, wait_events
 from worker_common.text_stream import TextStream, engine_params
@@ -163,15 +164,17 @@ class DecodeService(WorkerBase):
         self.claim(request.request_id, tracked, context)
         try:
             started = time.perf_counter()
-            loaded = load_prefix(self.bundle, self.store, hashes, fingerprint, request)
+            chunks = ChunkInstaller(self.loop, hashes, prompt)  # installs while later blocks are read
+            loaded = load_prefix(self.bundle, self.store, hashes, fingerprint, request, on_chunk=chunks)
             load_s = time.perf_counter() - started
             try:
                 installed = self._admit(tracked, request.request_id, prompt, params, fingerprint, hashes,
                                         loaded.payloads, context)
             finally:
+                chunks.finish()
                 loaded.release()  # admission copied the payloads into the cache
             timings = common_pb2.Timings()
-            fill_load_timings(timings, loaded, installed)
+            fill_load_timings(timings, loaded, installed, chunks.install_s())
             yield from self._stream(tracked, request.request_id, context, timings, len(prompt), None, None, "",
                                     load_s=load_s)
         finally:

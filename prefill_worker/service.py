@@ -31,9 +31,9 @@ from worker_common.convert import (InvalidArgument, check_prompt, check_vocab, l
 from worker_common.engine_loop import Failure, Tracked, failure_of
 from worker_common.engine_setup import EngineBundle
 from worker_common.handoff_pool import HandoffPool
-from worker_common.kv_blocks import (cacheable_blocks, fill_load_timings, load_prefix, slot_bytes,
-                                     store_computed_blocks)
+from worker_common.kv_blocks import cacheable_blocks, slot_bytes, store_computed_blocks
 from worker_common.leases import LeaseTable
+from worker_common.prefix_load import ChunkInstaller, fill_load_timings, load_prefix
 from worker_common.server import WorkerBase
 from worker_common.streaming import ms
 from worker_common.text_stream import TextStream, engine_params
@@ -140,7 +140,8 @@ class PrefillService(WorkerBase):
         """`plan`: the request, for the router's plan of the cached prefix (`load_prefix`)."""
         started = time.perf_counter()
         cacheable = job.hashes[:cacheable_blocks(len(job.prompt), self.bundle.block_size)]
-        loaded = load_prefix(self.bundle, self.store, cacheable, job.fingerprint, plan)
+        chunks = ChunkInstaller(self.loop, cacheable, job.prompt)  # installs while later blocks are read
+        loaded = load_prefix(self.bundle, self.store, cacheable, job.fingerprint, plan, on_chunk=chunks)
         load_s = time.perf_counter() - started
         # The engine stops after the first token; stop strings stay on the worker's text side.
         params = dataclasses.replace(engine_params(job.params), max_tokens=1, min_tokens=min(job.params.min_tokens, 1))
@@ -152,6 +153,9 @@ class PrefillService(WorkerBase):
         except Exception as exc:  # noqa: BLE001 - installing the loaded blocks failed: this worker's fault
             log.exception("admitting %s failed", job.request_id)
             self.fail_call(context, failure_of("admission failed", exc))
+        finally:
+            chunks.finish()
+            loaded.release()  # admission ran on the engine thread and copied the payloads into the cache
         context.add_callback(lambda: self.loop.abort(job.request_id, "client cancelled"))
         while not job.done.wait(_WAIT_S):
             if not context.is_active():
@@ -168,7 +172,7 @@ class PrefillService(WorkerBase):
         scheduled = job.scheduled_at or job.arrived_at
         timings.queue_ms = ms(scheduled - job.arrived_at)
         timings.prefill_ms = ms(load_s + (job.first_output_at or scheduled) - scheduled)
-        fill_load_timings(timings, loaded, installed)
+        fill_load_timings(timings, loaded, installed, chunks.install_s())
         return job.response
 
     def ReleaseKv(self, request: worker_pb2.ReleaseKvRequest, context) -> worker_pb2.ReleaseKvResponse:

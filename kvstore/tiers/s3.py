@@ -10,7 +10,8 @@ format (names, the byte layout with its index and footer, tombstones) and the `P
 kvstore/tiers/s3_pack.py; this module does the I/O:
 - `contains` is answered from the in-memory `PackIndex`, never one request per block. The index learns this
   process's puts at once and other processes' packs by LIST plus one ranged GET of each new pack's index, at
-  start-up (the first lookup) and whenever it is older than `index_refresh_s`; `refresh_index()` forces it. A
+  start-up (the first lookup, which waits for it) and whenever it is older than `index_refresh_s` (then on the
+  tier's pool, beside the lookup that noticed: no lookup waits for a periodic LIST); `refresh_index()` forces it. A
   refresh waits at most `refresh_budget_s` for new indexes (a read still running then is collected by the next
   refresh); a refresh that fails raises `TierUnavailable` and suspends the index (it claims nothing and `put`
   skips nothing) until a refresh succeeds. Between refreshes a block another process stored looks absent (a lost
@@ -323,22 +324,39 @@ class S3Tier(Tier):
 
     def _refresh_if_stale(self, wanted: Sequence[bytes] | None = None) -> None:
         """Refresh the index (pack layout; block layout in index mode) when it is older than `index_refresh_s`
-        (for `wanted`: only when it lacks one of them). While another thread refreshes, answer from the index as
-        it stands, unless it never loaded or its last refresh failed: then wait for that refresh."""
+        (for `wanted`: only when it lacks one of them). Once the index has loaded, the refresh runs on the tier's
+        pool and the caller answers from the index as it stands; before (or after a failed refresh suspended it),
+        the caller refreshes and waits."""
         if time.monotonic() - self._index_at < self.index_refresh_s:
             return
         if wanted is not None:
             with self._lock:
                 if all(self._packs.find(k) is not None for k in wanted):
                     return
-        if not self._refresh_lock.acquire(blocking=self._index_at == float("-inf")):
+        loaded = self._index_at != float("-inf")
+        if not self._refresh_lock.acquire(blocking=not loaded):
             return
+        if loaded:  # a periodic refresh never holds up a lookup: it runs beside it, the index answers as it stands
+            try:
+                self._io.submit(self._refresh_locked, True)
+            except RuntimeError:  # the tier is closing
+                self._refresh_lock.release()
+            return
+        self._refresh_locked(False)
+
+    def _refresh_locked(self, background: bool) -> None:
+        """Refresh if still stale; the caller acquired `_refresh_lock`, released here. A failed background refresh
+        is logged (the index is suspended, so the next lookup refreshes in the foreground and raises)."""
         try:
             if time.monotonic() - self._index_at >= self.index_refresh_s:
                 if self.layout == "pack":
                     self._refresh_packs()
                 else:
                     self._refresh_blocks()
+        except TierUnavailable as exc:
+            if not background:
+                raise
+            log.warning("s3 tier: background index refresh failed (%s)", exc)
         finally:
             self._refresh_lock.release()
 

@@ -110,7 +110,8 @@ def test_text_split_at_the_first_token_equals_the_single_engine_text(model):
 def test_finished_blocks_written_to_the_store_load_into_another_engine(model):
     from kvstore.config import HostTierConfig, StoreConfig
     from kvstore.store import TieredStore
-    from worker_common.kv_blocks import load_prefix, store_computed_blocks
+    from worker_common.kv_blocks import store_computed_blocks
+    from worker_common.prefix_load import load_prefix
 
     first = engine_of(model)
     params = SamplingParams(max_tokens=10, ignore_eos=True)
@@ -147,3 +148,41 @@ def test_staging_buffers_are_reused_only_after_release():
     for staging in (second, again, other):
         staging.release()
     assert pool.idle_bytes() <= 2 * (1 << 20)  # at most max_free buffers kept
+
+
+def test_a_long_prefix_loads_in_chunks_installed_while_the_next_are_read(model):
+    """Past CHUNK_BLOCKS blocks, each verified chunk is installed on the engine thread as soon as it is read; the
+    installed KV equals the engine that computed it, the admission finds every block on the device, and the chunks'
+    own pins are dropped afterwards."""
+    from kvstore.config import HostTierConfig, StoreConfig
+    from kvstore.store import TieredStore
+    from worker_common.kv_blocks import store_computed_blocks
+    from worker_common.prefix_load import CHUNK_BLOCKS, ChunkInstaller, load_prefix
+
+    prompt = [5 + (i * 11) % 190 for i in range(16 * (CHUNK_BLOCKS + 8) + 3)]  # 40 full blocks and a tail
+    first = engine_of(model)
+    first.engine.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))
+    fp = first.fingerprint_for("")
+    hashes = hash_blocks(fp, prompt, 16)
+    second = build_engine_from(model, num_blocks=96)
+    loop = EngineLoop(second)
+    loop.start()
+    try:
+        with TieredStore(StoreConfig(host=HostTierConfig(capacity_bytes=16 << 20))) as store:
+            assert store_computed_blocks(first, store, prompt + [7], fp) == len(hashes)
+            chunks = ChunkInstaller(loop, hashes, prompt)
+            loaded = load_prefix(second, store, hashes, fp, on_chunk=chunks)
+        installed = loop.post(lambda: install_blocks(second, hashes, loaded.payloads, prompt)).result()
+        assert [r.num_written for r in chunks.done()] == [CHUNK_BLOCKS, len(hashes) - CHUNK_BLOCKS]
+        assert installed.num_blocks == len(hashes) and installed.num_written == 0  # all there already
+        assert loaded.by_tier == {"host": len(hashes)}
+        first_ids = [first.engine.block_manager.pool.lookup(h) for h in hashes]
+        device = loop.post(lambda: second.runner.read_blocks(installed.pinned)).result()
+        assert torch.equal(device, first.runner.read_blocks(first_ids))
+        chunks.finish()
+        loaded.release()
+        pool = second.engine.block_manager.pool
+        loop.post(lambda: pool.release(installed.pinned)).result()
+        assert loop.post(lambda: sum(pool.ref_counts)).result() == 0  # no pin left behind
+    finally:
+        loop.stop()

@@ -1,0 +1,195 @@
+"""Onboarding a cached prefix from the store tiers into the device cache (DESIGN §2 step 3), pipelined.
+
+    lookup (fastest tier first)        -> n blocks, the tier of each
+    staging = pool.acquire(n rows)     one row per encoded block, pages warm (worker_common/staging.py)
+    for each chunk of CHUNK_BLOCKS rows:
+        get: the tiers write straight into the rows (shared tiers concurrently), the codec verifies each in place
+        on_chunk(start, payloads)      -> ChunkInstaller posts the install of these rows to the engine thread and
+                                          returns: the next chunk is read while the engine copies this one
+    admit(every payload)               -> blocks already installed are found on the device and pinned; any a
+                                          chunk install missed is written now; then the request joins the engine
+    installer.finish(), release()      -> the chunks' own pins dropped, the staging rows back to the pool
+
+An install writes all its rows with one `index_copy_` from a strided view of the staging rows
+(`StagedPayloads.gather`), no per-block copies in Python.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
+
+import numpy as np
+import torch
+
+from kvstore import codec
+from kvstore.store import TieredStore
+from worker_common.engine_loop import EngineLoop
+from worker_common.engine_setup import EngineBundle
+from worker_common.kv_blocks import InstallResult, device_prefix_blocks, install_blocks, slot_bytes
+from worker_common.staging import StagingPool
+
+CHUNK_BLOCKS = 32   # rows read before their install is handed to the engine thread
+STAGING = StagingPool()  # this worker's staging buffers for prefix loads
+
+OnChunk = Callable[[int, "StagedPayloads"], None]
+
+
+class StagedPayloads(Sequence):
+    """Verified payloads of consecutive blocks held in the rows of one staging tensor: item i is None for the
+    `lead` blocks already on the device, then the payload of row `i - lead`."""
+
+    def __init__(self, bundle: EngineBundle, staging: torch.Tensor, offset: int, count: int, lead: int) -> None:
+        self._bundle, self._staging, self._offset = bundle, staging, offset  # staging: uint8 [rows, slot_bytes]
+        self._count, self._lead = count, lead
+
+    def __len__(self) -> int:
+        return self._lead + self._count
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        i %= len(self)
+        if i < self._lead:
+            return None
+        return memoryview(self._rows()[i - self._lead].numpy())
+
+    def __iter__(self) -> Iterator[memoryview | None]:
+        return (self[i] for i in range(len(self)))
+
+    def _rows(self) -> torch.Tensor:
+        size = self._bundle.layout.payload_bytes(self._bundle.kv_dtype)
+        return self._staging[:self._count, self._offset:self._offset + size]  # uint8 [count, payload_bytes]
+
+    def gather(self, indices: Sequence[int]) -> torch.Tensor:
+        """Cache-shaped payloads `[n, layers, 2, block_size, kv_heads, head_dim]` of items `indices`: a view of the
+        staging rows when they are consecutive (the usual case: no copy before the cache's own), else one copy."""
+        rows = [i - self._lead for i in indices]
+        start = rows[0] if rows else 0
+        if rows == list(range(start, start + len(rows))):
+            picked = self._rows()[start:start + len(rows)]  # uint8 [n, payload_bytes], rows strided by a slot
+        else:
+            picked = self._rows().index_select(0, torch.as_tensor(rows, dtype=torch.long))
+        return picked.view(self._bundle.torch_dtype).view(len(indices), *self._bundle.block_shape)
+
+
+class LoadedPrefix(NamedTuple):
+    payloads: Sequence[memoryview | None]  # what `install_blocks` takes: None = on the device, else a payload
+    by_tier: dict[str, int]                # blocks each tier served ("device" for those already there)
+    lookup_s: float
+    read_s: float
+    verify_s: float
+    release: Callable[[], None] = lambda: None  # call once installed: the payloads' staging serves the next load
+
+
+class ChunkInstaller:
+    """`on_chunk` for `load_prefix`: installs each loaded chunk on the engine thread while the next one is read.
+    Its blocks stay pinned until `finish`, posted after the request's admission (which pins them again)."""
+
+    def __init__(self, loop: EngineLoop, hashes: Sequence[bytes], tokens: Sequence[int]) -> None:
+        self._loop, self._hashes, self._tokens = loop, hashes, tokens
+        self._futures: list[Future] = []
+
+    def __call__(self, start: int, payloads: StagedPayloads) -> None:
+        bundle, hashes, tokens = self._loop.bundle, self._hashes, self._tokens
+        self._futures.append(self._loop.post(lambda: install_blocks(bundle, hashes, payloads, tokens, start)))
+
+    def done(self) -> list[InstallResult]:
+        """The chunk installs that ran (call after the admission: the engine thread runs commands in order)."""
+        return [f.result() for f in self._futures if f.done() and f.exception() is None]
+
+    def finish(self) -> None:
+        """Drop the chunks' pins, on the engine thread after the admission (a failed chunk pinned nothing)."""
+        pins = [block for result in self.done() for block in result.pinned]
+        if pins:
+            pool = self._loop.bundle.engine.block_manager.pool
+            self._loop.post(lambda: pool.release(pins))
+
+    def install_s(self) -> float:
+        return sum(result.install_s for result in self.done())
+
+
+def load_prefix(bundle: EngineBundle, store: TieredStore, hashes: Sequence[bytes], fingerprint: bytes,
+                plan: Any = None, on_chunk: OnChunk | None = None) -> LoadedPrefix:
+    """What `install_blocks` needs for a prompt's cacheable blocks: None for the leading blocks the device holds,
+    then verified payloads of the next ones any store tier holds, in a pooled staging buffer: call the result's
+    `release` once they are installed (never before: the next load overwrites it). `plan`: the router's request
+    (`PrefillRequest` / `WorkerGenerateRequest`): load at most `max_load_blocks` leading blocks when set (loading
+    more was found slower than recomputing them; blocks already on the device cost nothing and are always used),
+    and expect `expected_cached_blocks` to be stored somewhere (a shared tier's cached index that knows fewer is
+    refreshed). `on_chunk(start, payloads)`: called as each chunk of rows is verified (a `ChunkInstaller`)."""
+    on_device = device_prefix_blocks(bundle, hashes)
+    expect = 0
+    if plan is not None:
+        if plan.HasField("max_load_blocks"):
+            hashes = hashes[:max(plan.max_load_blocks, on_device)]
+        expect = max(0, min(plan.expected_cached_blocks, len(hashes)) - on_device)
+    return load_from_store(bundle, store, hashes[on_device:], fingerprint, lead=on_device, expect=expect,
+                           pool=STAGING, on_chunk=on_chunk)
+
+
+def load_from_store(bundle: EngineBundle, store: TieredStore, hashes: Sequence[bytes], fingerprint: bytes,
+                    lead: int = 0, expect: int = 0, pool: StagingPool | None = None,
+                    on_chunk: OnChunk | None = None) -> LoadedPrefix:
+    """Verified payloads of the leading blocks any tier of `store` holds (possibly none), after `lead` Nones.
+    `expect`: how many of `hashes` the router's index says some tier holds (`TieredStore.lookup`). With a `pool`,
+    the payloads live in one of its buffers until the caller calls `release` (after installing them). With
+    `on_chunk`, blocks are read `CHUNK_BLOCKS` at a time and each verified chunk is handed over at once (its
+    `start` counts the `lead` blocks)."""
+    started = time.perf_counter()
+    found = store.lookup(list(hashes), expect=expect) if hashes else None
+    lookup_s = time.perf_counter() - started
+    if not found or not found.num_hit_blocks:
+        return LoadedPrefix([None] * lead, {"device": lead} if lead else {}, lookup_s, 0.0, 0.0)
+    n = found.num_hit_blocks
+    if pool is not None:
+        staging, release = pool.acquire(n, slot_bytes(bundle))  # one row per block
+    else:
+        staging, release = torch.empty((n, slot_bytes(bundle)), dtype=torch.uint8), (lambda: None)
+    rows = staging.numpy()
+    views = [memoryview(rows[i]) for i in range(n)]
+    served: list[str] = []
+    offset: int | None = None
+    read_s = verify_s = 0.0
+    step = CHUNK_BLOCKS if on_chunk is not None else n
+    for start in range(0, n, step):
+        end = min(n, start + step)
+        result = store.get(list(hashes[start:end]), views[start:end], fingerprint, hint=found.tiers[start:end])
+        read_s, verify_s = read_s + result.read_s, verify_s + result.verify_s
+        blocks = result.blocks[:result.num_hit_blocks]
+        offset = offset if offset is not None or not blocks else _payload_offset(blocks[0], rows[start])
+        good = _uniform_run(bundle, blocks, rows[start:], offset)
+        served += result.tiers[:good]
+        if good and on_chunk is not None:
+            on_chunk(lead + start, StagedPayloads(bundle, staging[start:start + good], offset, good, 0))
+        if good < end - start:
+            break
+    by_tier = {"device": lead} if lead else {}
+    for tier in served:
+        by_tier[tier] = by_tier.get(tier, 0) + 1
+    payloads = StagedPayloads(bundle, staging, offset or 0, len(served), lead)
+    return LoadedPrefix(payloads, by_tier, lookup_s, read_s, verify_s, release)
+
+
+def _payload_offset(block: codec.DecodedBlock, row: np.ndarray) -> int:
+    return np.frombuffer(block.payload, dtype=np.uint8).ctypes.data - row.ctypes.data
+
+
+def _uniform_run(bundle: EngineBundle, blocks: list, rows: np.ndarray, offset: int | None) -> int:
+    """Leading blocks in this worker's dtype whose payload sits at `offset` in its row (one layout for all)."""
+    for i, block in enumerate(blocks):
+        if block.header.dtype != bundle.kv_dtype or _payload_offset(block, rows[i]) != offset:
+            return i
+    return len(blocks)
+
+
+def fill_load_timings(timings, loaded: LoadedPrefix, installed: InstallResult, chunks_install_s: float = 0.0) -> None:
+    """The onboarding breakdown of a `common_pb2.Timings`: lookup, read, verify, install, blocks per tier."""
+    timings.load_lookup_ms = loaded.lookup_s * 1e3
+    timings.load_read_ms = loaded.read_s * 1e3
+    timings.load_verify_ms = loaded.verify_s * 1e3
+    timings.load_install_ms = (installed.install_s + chunks_install_s) * 1e3
+    for tier, n in loaded.by_tier.items():
+        timings.blocks_by_tier[tier] = n
