@@ -150,11 +150,11 @@ def test_staging_buffers_are_reused_only_after_release():
     assert pool.idle_bytes() <= 2 * (1 << 20)  # at most max_free buffers kept
 
 
-def test_a_long_prefix_loads_in_chunks_installed_while_the_next_are_read(model):
+def test_a_long_prefix_loads_in_chunks_installed_while_the_next_are_read(model, tmp_path):
     """Past CHUNK_BLOCKS blocks, each verified chunk is installed on the engine thread as soon as it is read; the
     installed KV equals the engine that computed it, the admission finds every block on the device, and the chunks'
     own pins are dropped afterwards."""
-    from kvstore.config import HostTierConfig, StoreConfig
+    from kvstore.config import DiskTierConfig, HostTierConfig, StoreConfig
     from kvstore.store import TieredStore
     from worker_common.kv_blocks import store_computed_blocks
     from worker_common.prefix_load import CHUNK_BLOCKS, ChunkInstaller, load_prefix
@@ -168,14 +168,23 @@ def test_a_long_prefix_loads_in_chunks_installed_while_the_next_are_read(model):
     loop = EngineLoop(second)
     loop.start()
     try:
-        with TieredStore(StoreConfig(host=HostTierConfig(capacity_bytes=16 << 20))) as store:
+        config = StoreConfig(host=HostTierConfig(capacity_bytes=16 << 20),
+                             disk=DiskTierConfig(str(tmp_path), capacity_bytes=64 << 20), write_through=("disk",))
+        with TieredStore(config) as store:
             assert store_computed_blocks(first, store, prompt + [7], fp) == len(hashes)
+            assert store.flush(30)
+            from_host = ChunkInstaller(loop, hashes, prompt)
+            loaded = load_prefix(second, store, hashes, fp, on_chunk=from_host)
+            assert loaded.by_tier == {"host": len(hashes)} and from_host.handed == 0  # one install, by admission
+            loaded.release()
+            store.host.clear()  # the prefix is on disk only: worth pipelining (a host read is not)
             chunks = ChunkInstaller(loop, hashes, prompt)
             loaded = load_prefix(second, store, hashes, fp, on_chunk=chunks)
         installed = loop.post(lambda: install_blocks(second, hashes, loaded.payloads, prompt)).result()
+        assert chunks.handed == 2
         assert [r.num_written for r in chunks.done()] == [CHUNK_BLOCKS, len(hashes) - CHUNK_BLOCKS]
         assert installed.num_blocks == len(hashes) and installed.num_written == 0  # all there already
-        assert loaded.by_tier == {"host": len(hashes)}
+        assert loaded.by_tier == {"disk": len(hashes)}
         first_ids = [first.engine.block_manager.pool.lookup(h) for h in hashes]
         device = loop.post(lambda: second.runner.read_blocks(installed.pinned)).result()
         assert torch.equal(device, first.runner.read_blocks(first_ids))
