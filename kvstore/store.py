@@ -19,6 +19,7 @@ import importlib
 import logging
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -97,10 +98,6 @@ class TieredStore:
     def tier(self, name: str) -> Tier:
         return self._tiers[name]
 
-    @property
-    def tier_names(self) -> tuple[str, ...]:
-        return tuple(self._names)
-
     # Lookup and get -----------------------------------------------------------------------------------------
 
     def lookup(self, hashes: Sequence[BlockHash], expect: int = 0) -> LookupResult:
@@ -171,8 +168,9 @@ class TieredStore:
         verify_s = [0.0]
         if hint:
             self._get_hinted(hashes, views, fingerprint, hint, served, blocks, verify_s)
-        for name in self._names:
-            pending = [i for i, t in enumerate(served) if t is None]
+        tried = [hint[i] if hint and i < len(hint) else None for i in range(len(hashes))]
+        for name in self._names:  # what is still missing, from every tier not asked for it yet
+            pending = [i for i, t in enumerate(served) if t is None and tried[i] != name]
             if not pending:
                 break
             self._get_from(name, hashes, views, fingerprint, pending, served, blocks, verify_s)
@@ -234,7 +232,7 @@ class TieredStore:
         checked = [(bytes(key), _checked_block(key, data)) for key, data in items]
         held = self._call("host", "read", self.host.contains, [k for k, _ in checked]) or [False] * len(checked)
         in_host = self._put_host(checked)
-        queued = dropped = 0
+        queued, refused = 0, Counter()
         for (key, data), was_held, ok in zip(checked, held, in_host):
             if was_held:
                 continue  # its lower-tier writes were owed when it first came in
@@ -244,10 +242,10 @@ class TieredStore:
             if self._writer.submit(key, tiers, carried, demotion=not self.config.write_through):
                 queued += len(tiers)
             else:
-                dropped += len(tiers)
-                for tier in tiers:
-                    self._count(tier, dropped=1)
-        return PutResult(sum(in_host), queued, dropped)
+                refused.update(tiers)
+        for tier, n in refused.items():
+            self._dropped(tier, n)
+        return PutResult(sum(in_host), queued, sum(refused.values()))
 
     def _owed(self, data: bytes | memoryview, in_host: bool) -> tuple[tuple[str, ...], bytes | None]:
         """The tiers a block new to host owes a write to, and the bytes to carry (None: read back from host)."""
@@ -282,7 +280,7 @@ class TieredStore:
             return
         target = self._demotion_target(name)
         if target is not None and not self._writer.submit(key, (target,), bytes(data), demotion=True):
-            self._count(target, dropped=1)
+            self._dropped(target, 1)
 
     def _read_back(self, keys: list[bytes]) -> list[bytes | None]:
         """Writer thread: the bytes of blocks owed a write-through, from host (uncounted: not a cache hit)."""

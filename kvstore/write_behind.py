@@ -187,7 +187,8 @@ class WriteBehind:
         if entry.attempts >= self._max_attempts:
             self._drop(entry)
             return
-        entry.data = None if not entry.demotion else entry.data  # write-through re-reads host; demotions keep bytes
+        # NOTE: bytes it carries are kept (host no longer holds them: a demotion, a block host could not take or
+        # let go of); one without bytes reads them back from host again.
         entry.ready_at = self._clock() + self._retry_s * 2 ** (entry.attempts - 1)
         with self._cond:
             current = self._pending.get(key)

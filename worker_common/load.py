@@ -14,7 +14,7 @@ heartbeats read the latest one from any thread, so neither waits for a step nor 
   worker: prompt tokens computed (prefix-cache hits and installed blocks excluded) per second of the steps that
   computed them, as a ratio of decayed sums, and how many steps went into it.
 - `<tier>_read_*`: the store tiers' measured read costs, added at read time by `tier_reads` (set by the worker that
-  owns the store: `worker_common.cache_stats.ReadCostMeter`), so the engine thread never reads store counters.
+  owns the store: `worker_common.read_costs.ReadCostMeter`), so the engine thread never reads store counters.
 """
 from __future__ import annotations
 

@@ -1,125 +1,19 @@
-"""TieredStore over real host (shared memory) and disk tiers, plus an in-memory tier standing in for a remote one
-where a test must control failures and latency exactly (the Redis and S3 fault tests use the real servers)."""
+"""TieredStore over real host (shared memory) and disk tiers: lookups, reads, promotion, demotion, tier health
+and integrity (the background writes below host: test_store_write_behind.py)."""
 from __future__ import annotations
 
 import os
 import shutil
-import threading
 import time
 
 import pytest
 
 from kvstore import codec
-from kvstore.config import DiskTierConfig, HostTierConfig, RedisTierConfig, StoreConfig
-from kvstore.hashing import Namespace, hash_blocks
+from kvstore.config import DiskTierConfig, HostTierConfig, StoreConfig
 from kvstore.store import TieredStore
-from kvstore.tiers.base import Tier
-from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.host import HostTier
-
-NS = Namespace("tiny@store-test", "bs4-l1-h2-d8", "float16")
-FP = NS.fingerprint()
-LAYOUT = codec.BlockLayout(num_layers=1, block_size=4, kv_heads=2, head_dim=8)
-TOKENS = list(range(1000, 1000 + 4 * 64))
-HASHES = hash_blocks(NS, TOKENS, 4)
-SLOT = 4096
-
-
-def make_block(i: int) -> bytes:
-    return codec.encode(FP, HASHES[i], LAYOUT, "float16", bytes([i + 1]) * LAYOUT.payload_bytes("float16"),
-                        tokens=TOKENS[4 * i:4 * i + 4], parent_hash=HASHES[i - 1] if i else None)
-
-
-SIZE = len(make_block(0))
-
-
-def items(*indices: int) -> list[tuple[bytes, bytes]]:
-    return [(HASHES[i], make_block(i)) for i in indices]
-
-
-class MemoryTier(Tier):
-    """A dict-backed tier whose failures (`down`) and latency (`delay_s`) a test switches."""
-
-    name = "remote"
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.data: dict[bytes, bytes] = {}
-        self.down, self.delay_s, self.calls = False, 0.0, 0
-
-    def _enter(self, op: str) -> None:
-        self.calls += 1
-        time.sleep(self.delay_s)
-        if self.down:
-            raise self._failed(op, ConnectionError("connection refused"))
-
-    def contains(self, keys):
-        self._enter("contains")
-        return [bytes(k) in self.data for k in keys]
-
-    def get(self, keys, bufs):
-        self._enter("get")
-        out = []
-        for key, buf in zip(keys, bufs):
-            blob = self.data.get(bytes(key))
-            if blob is not None:
-                buf[:len(blob)] = blob
-            out.append(None if blob is None else len(blob))
-        self._count(hits=sum(n is not None for n in out), misses=sum(n is None for n in out))
-        return out
-
-    def put(self, items):
-        self._enter("put")
-        for key, data in items:
-            self.data[bytes(key)] = bytes(data)
-        return [True] * len(items)
-
-    def delete(self, keys):
-        return sum(self.data.pop(bytes(k), None) is not None for k in keys)
-
-    def clear(self):
-        self.data.clear()
-
-
-class Recorder:
-    """An event publisher that keeps what it was given."""
-
-    def __init__(self) -> None:
-        self.events, self._lock = [], threading.Lock()
-
-    def publish(self, events) -> None:
-        with self._lock:
-            self.events.extend(events)
-
-    def of(self, kind: str, medium: str) -> list:
-        return [e for e in self.events if type(e).__name__ == kind and e.medium == medium]
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def make_store(tmp_path, host_slots: int = 8, disk_blocks: int = 100, remote: MemoryTier | None = None,
-               publisher=None, clock=time.monotonic, **policy) -> TieredStore:
-    """`remote` stands in as tier "remote"; as "redis" (a shared tier the config may write through to) when
-    `write_through` names it."""
-    shared = "redis" in policy.get("write_through", ())
-    config = StoreConfig(host=HostTierConfig(capacity_bytes=host_slots * SLOT, slot_bytes=SLOT),
-                         disk=DiskTierConfig(str(tmp_path / "disk"), capacity_bytes=disk_blocks * SIZE),
-                         redis=RedisTierConfig() if shared else None, **policy)
-    tiers = {"host": HostTier(**config.tier_options("host")), "disk": DiskTier(**config.tier_options("disk"))}
-    if remote is not None:
-        tiers["redis" if shared else "remote"] = remote
-    return TieredStore(config, publisher, tiers=tiers, clock=clock)
-
-
-def get(store: TieredStore, *indices: int):
-    bufs = [bytearray(SIZE) for _ in indices]
-    return store.get([HASHES[i] for i in indices], bufs, FP)
+from tests.integration.store_factories import (FP, HASHES, LAYOUT, NS, SIZE, SLOT, TOKENS, FakeClock, MemoryTier,
+                                               Recorder, get, items, make_block, make_store)
 
 
 def test_store_built_from_config_alone(tmp_path):
@@ -158,6 +52,17 @@ def test_a_host_hit_never_asks_a_slower_tier(tmp_path):
         got = store.get(HASHES[:3], [bytearray(SIZE) for _ in range(3)], FP, hint=result.tiers)
         assert result.tiers == ("host",) * 3 and got.tiers == ["host"] * 3
         assert remote.calls == calls
+
+
+def test_a_block_missing_from_its_hinted_tier_is_not_asked_of_that_tier_again(tmp_path):
+    remote = MemoryTier()
+    with make_store(tmp_path, remote=remote) as store:
+        remote.put(items(0))
+        found = store.lookup(HASHES[:1])
+        remote.data.clear()  # gone between the lookup and the read
+        calls = remote.calls
+        got = store.get(HASHES[:1], [bytearray(SIZE)], FP, hint=found.tiers)
+        assert got.tiers == [None] and remote.calls == calls + 1  # the hinted read only, no second try
 
 
 def test_a_shared_tier_that_does_not_answer_in_time_is_a_miss(tmp_path):
@@ -231,85 +136,6 @@ def test_demotion_none_drops_evicted_blocks(tmp_path):
         store.put(items(0, 1))
         assert store.flush()
         assert store.lookup(HASHES[:2]).per_tier == {"host": 0, "disk": 0}
-
-
-def test_write_through_copies_every_put_to_lower_tiers_in_the_background(tmp_path):
-    remote = MemoryTier()
-    with make_store(tmp_path, remote=remote, write_through=("disk",)) as store:
-        result = store.put(items(0, 1, 2))
-        assert (result.stored, result.queued, result.dropped) == (3, 3, 0)
-        assert store.flush()
-        assert store.tier("disk").contains(HASHES[:3]) == [True] * 3
-        assert remote.data == {}
-
-
-def test_background_writes_never_block_and_a_long_prompt_reaches_every_tier(tmp_path):
-    """Write-through owes each block a write without queueing its bytes: 200 blocks at once (far past
-    `queue_depth`) all land in every lower tier, and a slow tier never slows the caller."""
-    remote = MemoryTier()
-    remote.delay_s = 0.05  # per batched call: a slow remote the caller must not feel
-    with make_store(tmp_path, host_slots=256, disk_blocks=256, remote=remote, write_through=("disk", "redis"),
-                    queue_depth=4) as store:
-        started = time.perf_counter()
-        result = store.put(items(*range(64)))
-        assert time.perf_counter() - started < 2.0
-        assert (result.stored, result.queued, result.dropped) == (64, 128, 0)
-        assert store.flush(30)
-        assert store.tier("disk").contains(HASHES[:64]) == [True] * 64
-        assert set(remote.data) == set(HASHES[:64])
-        assert all(s.dropped == 0 for s in store.stats().values())
-
-
-def test_a_block_host_evicts_before_its_write_through_still_lands_below(tmp_path):
-    remote = MemoryTier()
-    remote.delay_s = 0.3
-    with make_store(tmp_path, host_slots=2, remote=remote, write_through=("redis",)) as store:
-        for i in range(6):  # host keeps 2: the rest are evicted while their write-through is still owed
-            store.put(items(i))
-        assert store.flush(30)
-        assert set(remote.data) == set(HASHES[:6])
-        assert store.stats()["redis"].dropped == 0
-
-
-def test_a_write_the_bound_refuses_is_counted_dropped_and_visible(tmp_path):
-    remote = MemoryTier()
-    remote.delay_s = 0.5
-    with make_store(tmp_path, host_slots=64, remote=remote, write_through=("redis",),
-                    max_pending_writes=4) as store:
-        results = [store.put(items(i)) for i in range(40)]
-        dropped = sum(r.dropped for r in results)
-        assert dropped > 0 and sum(r.queued for r in results) + dropped == 40
-        assert store.flush(30)
-        assert store.stats()["redis"].dropped == dropped
-        assert len(remote.data) == 40 - dropped
-        assert store.tier("host").contains(HASHES[:40]) == [True] * 40  # host always got every block
-
-
-def test_a_write_to_a_tier_that_is_down_is_retried_when_it_returns(tmp_path):
-    remote, clock = MemoryTier(), FakeClock()
-    with make_store(tmp_path, remote=remote, write_through=("redis",), clock=clock, backoff_initial_s=1.0) as store:
-        remote.down = True
-        store.put(items(0, 1))
-        assert store.flush()
-        assert store.pending_writes() == 2 and remote.data == {}  # owed, waiting out the backoff
-        remote.down = False
-        clock.now += 1.0
-        assert store.flush()
-        assert set(remote.data) == set(HASHES[:2]) and store.pending_writes() == 0
-        assert store.stats()["redis"].dropped == 0
-
-
-def test_a_write_that_fails_every_attempt_is_counted_dropped(tmp_path):
-    remote, clock = MemoryTier(), FakeClock()
-    with make_store(tmp_path, remote=remote, write_through=("redis",), clock=clock, backoff_initial_s=1.0,
-                    backoff_max_s=1.0, write_attempts=3) as store:
-        remote.down = True
-        store.put(items(0))
-        for _ in range(4):
-            assert store.flush()
-            clock.now += 10.0
-        assert store.flush() and store.pending_writes() == 0
-        assert store.stats()["redis"].dropped == 1
 
 
 def test_unhealthy_tier_is_skipped_then_retried_with_exponential_backoff(tmp_path):
