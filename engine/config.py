@@ -7,6 +7,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 _DTYPES = ("float32", "bfloat16", "float16")
+# `--quantization`: weight schemes applied at load time (None: the checkpoint's own quantization_config if it has
+# one, else none). engine/quant/ implements them.
+QUANTIZATION_SCHEMES = ("int8", "int4", "fp8", "mxfp4")
+QUANT_GROUP_SIZES = (32, 64, 128)
+# `--kv-cache-dtype`: auto = the model dtype; fp8 (e4m3) and int8 store KV with per-block, per-head scales.
+KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -24,12 +30,18 @@ class ModelConfig:
     seed: int = 0
     enforce_eager: bool | None = None   # True: never compile the decode step (vLLM's --enforce-eager); None:
                                         # compile unless STRATA_ENFORCE_EAGER=1
+    quantization: str | None = None     # one of QUANTIZATION_SCHEMES, or None (the checkpoint's own, else none)
+    quant_group_size: int = 128         # int4: columns per scale/zero group
 
     def __post_init__(self) -> None:
         _require(bool(self.path), "model path must be a non-empty folder path")
         _require(self.dtype in _DTYPES, f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         _require(self.device == "cpu" or self.device.startswith(("cuda", "mps")),
                  f"device must be 'cpu', 'cuda', 'cuda:N' or 'mps', got {self.device!r}")
+        _require(self.quantization is None or self.quantization in QUANTIZATION_SCHEMES,
+                 f"quantization must be one of {QUANTIZATION_SCHEMES} or unset, got {self.quantization!r}")
+        _require(self.quant_group_size in QUANT_GROUP_SIZES,
+                 f"quant_group_size must be one of {QUANT_GROUP_SIZES}, got {self.quant_group_size}")
 
 
 @dataclass(frozen=True)
@@ -40,11 +52,19 @@ class CacheConfig:
     num_blocks: int = 2048
     enable_prefix_caching: bool = True
     cache_salt: str = ""
+    kv_cache_dtype: str = "auto"        # one of KV_CACHE_DTYPES
 
     def __post_init__(self) -> None:
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES,
+                 f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256),
                  f"block_size must be a power of two from 1 to 256, got {self.block_size}")
         _require(self.num_blocks >= 2, f"num_blocks must be at least 2, got {self.num_blocks}")
+
+
+def kv_storage_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
+    """The dtype name the paged cache stores K/V in (the codec's and the namespace's `kv_dtype`)."""
+    return {"auto": model_dtype, "fp8": "float8_e4m3fn", "int8": "int8"}[kv_cache_dtype]
 
 
 @dataclass(frozen=True)
