@@ -4,7 +4,10 @@ Each area has its own dataclass; each validates on construction and names the fi
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
+from typing import Any
 
 _DTYPES = ("float32", "bfloat16", "float16")
 # `--quantization`: weight schemes applied at load time (None: the checkpoint's own quantization_config if it has
@@ -65,6 +68,21 @@ class CacheConfig:
 def kv_storage_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
     """The dtype name the paged cache stores K/V in (the codec's and the namespace's `kv_dtype`)."""
     return {"auto": model_dtype, "fp8": "float8_e4m3fn", "int8": "int8"}[kv_cache_dtype]
+
+
+def quantization_label(quantization: str | None, group_size: int, checkpoint_config: dict[str, Any]) -> str:
+    """The weights' quantization as the model fingerprint (and so the KV namespace) names it; torch-free, so the
+    router computes the same label as the workers. A pre-quantized checkpoint (config.json `quantization_config`)
+    is named by its method and a digest of that config; a load-time scheme by its name (int4 with its group
+    size); "none" otherwise."""
+    declared = checkpoint_config.get("quantization_config")
+    if declared:
+        method = str(declared.get("quant_method", "unknown")) if isinstance(declared, dict) else "unknown"
+        digest = hashlib.blake2b(json.dumps(declared, sort_keys=True, default=str).encode(), digest_size=4)
+        return f"ckpt-{method}-{digest.hexdigest()}"
+    if quantization is None:
+        return "none"
+    return f"int4-g{group_size}" if quantization == "int4" else quantization
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ from typing import Sequence
 
 from router.cost_model import CostModelConfig
 from router.dispatch import DispatchConfig, Dispatcher
-from router.served_model import ServedModel, cost_config_for
+from engine.config import KV_CACHE_DTYPES, QUANT_GROUP_SIZES, QUANTIZATION_SCHEMES
+from router.served_model import QuantChoice, ServedModel, cost_config_for
 from router.events_feed import EventsFeed, SharedIndex
 from router.openai_api import RouterMetrics, create_app
 from router.policy import POLICIES, get_policy
@@ -40,7 +41,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="a worker to probe (repeatable); workers may also register themselves")
     p.add_argument("--model", default=None, help="checkpoint folder or bundled model name (default: bundled)")
     p.add_argument("--model-id", default=None, help="the name clients send (default: the folder name)")
-    p.add_argument("--dtype", default="float32", help="the workers' KV dtype (part of the block namespace)")
+    p.add_argument("--dtype", default="float32", help="the workers' model dtype (part of the block namespace)")
+    p.add_argument("--quantization", choices=QUANTIZATION_SCHEMES, default=None,
+                   help="the workers' --quantization (part of the block namespace)")
+    p.add_argument("--quant-group-size", type=int, choices=QUANT_GROUP_SIZES, default=128)
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="the workers' KV cache dtype (part of the block namespace)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--policy", default="kv_aware", choices=sorted(POLICIES))
@@ -84,7 +90,7 @@ class Router:
 
 def build_router(args: argparse.Namespace) -> Router:
     model = ServedModel.load(resolve_model(args.model), args.dtype, args.block_size, args.max_model_len,
-                             args.model_id)
+                             args.model_id, QuantChoice(args.quantization, args.quant_group_size, args.kv_cache_dtype))
     base = CostModelConfig()
     changes = {}
     if args.local_prefill_max_tokens is not None:

@@ -147,7 +147,8 @@ class Dispatcher:
     def route(self, run: RequestRun, excluded: set[str]) -> RouteDecision:
         """The policy's choice among READY workers not yet tried; a decoder alone when the prefill pool is out
         (or tokens already reached the client)."""
-        view = self.registry.load_view(run.model.id, exclude=excluded)
+        ns = run.model.namespace
+        view = self.registry.load_view(run.model.id, exclude=excluded, kv=(ns.model_fingerprint, ns.kv_dtype))
         with self._lock:
             self._seq += 1
             seq = self._seq

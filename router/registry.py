@@ -61,6 +61,14 @@ class ModelFacts:
     kv_dtype: str = ""
     block_size: int = 0
 
+    def kv_compatible(self, model_fingerprint: str, kv_dtype: str) -> bool:
+        """Whether this worker's KV can serve a model hashed with that fingerprint and KV dtype: a worker with
+        other weights (or another weight quantization) or another KV cache dtype never takes its requests, so a
+        prefill worker never hands fp8 KV to a bf16 decoder. A fact the worker left empty (a probed worker)
+        does not exclude it: its blocks are still verified one by one."""
+        return (not self.model_fingerprint or self.model_fingerprint == model_fingerprint) and \
+            (not self.kv_dtype or self.kv_dtype == kv_dtype)
+
 
 @dataclass(frozen=True)
 class WorkerRecord:
@@ -233,13 +241,16 @@ class WorkerRegistry:
             if entry is not None:
                 entry.inflight = max(0, entry.inflight - 1)
 
-    def load_view(self, model_id: str | None = None, exclude: Iterable[WorkerId] = ()) -> LoadView:
-        """The READY workers (of a model), as the policy sees them."""
+    def load_view(self, model_id: str | None = None, exclude: Iterable[WorkerId] = (),
+                  kv: tuple[str, str] | None = None) -> LoadView:
+        """The READY workers (of a model; with `kv` = (model fingerprint, kv dtype), only those whose KV is
+        compatible: `ModelFacts.kv_compatible`), as the policy sees them."""
         skip = set(exclude)
         with self._lock:
             loads = [self._policy_load(e) for e in self._entries.values()
                      if e.state == "ready" and e.record.id not in skip
-                     and (model_id is None or e.record.model.id == model_id)]
+                     and (model_id is None or e.record.model.id == model_id)
+                     and (kv is None or e.record.model.kv_compatible(*kv))]
         return LoadView.of(loads)
 
     # ---- queries --------------------------------------------------------------------------------------------

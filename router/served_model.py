@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Sequence
 
 from engine.checkpoint import load_checkpoint
-from engine.config import CacheConfig
+from engine.config import CacheConfig, kv_storage_dtype, quantization_label
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from kvstore.hashing import Namespace
@@ -18,7 +18,17 @@ from router.cost_model import CostModelConfig
 from router.validation import GenerateParams, ModelLimits
 from strata.v1 import common_pb2
 
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "int8": 1}
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "int8": 1}
+
+
+@dataclass(frozen=True)
+class QuantChoice:
+    """The workers' quantization flags, which the block namespace covers (weights in the model fingerprint, the
+    KV cache's storage dtype as `kv_dtype`)."""
+
+    quantization: str | None = None
+    group_size: int = 128
+    kv_cache_dtype: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -38,18 +48,21 @@ class ServedModel:
 
     @classmethod
     def load(cls, path: str, dtype: str = "float32", block_size: int = 16, max_model_len: int = 2048,
-             model_id: str | None = None) -> "ServedModel":
+             model_id: str | None = None, quant: QuantChoice = QuantChoice()) -> "ServedModel":
         """Reads config.json, the safetensors headers and the tokenizer; no weights."""
         ckpt = load_checkpoint(path)
         spec = ckpt.spec
-        cache = CacheConfig(block_size=block_size)  # checks block_size as the workers' config does; salt-free
-        namespace = Namespace.for_model(ckpt.fingerprint(dtype), num_layers=spec.num_layers,
+        # checks block_size and kv_cache_dtype as the workers' config does; salt-free
+        cache = CacheConfig(block_size=block_size, kv_cache_dtype=quant.kv_cache_dtype)
+        label = quantization_label(quant.quantization, quant.group_size, ckpt.config)
+        kv_dtype = kv_storage_dtype(cache.kv_cache_dtype, dtype)
+        namespace = Namespace.for_model(ckpt.fingerprint(dtype, label), num_layers=spec.num_layers,
                                         num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-                                        block_size=cache.block_size, kv_dtype=dtype, cache_salt=cache.cache_salt)
+                                        block_size=cache.block_size, kv_dtype=kv_dtype, cache_salt=cache.cache_salt)
         tokenizer = Tokenizer.from_dir(path)
         im_end = tokenizer.backend.token_to_id("<|im_end|>")
         chat_stops = (im_end,) if im_end is not None and "<|im_end|>" in (tokenizer.chat_template or "") else ()
-        kv_bytes = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * _DTYPE_BYTES.get(dtype, 4)
+        kv_bytes = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * _DTYPE_BYTES.get(kv_dtype, 4)
         return cls(model_id or Path(path).name, path, tokenizer, namespace, block_size, max_model_len,
                    spec.vocab_size, kv_bytes, chat_stops, sampling_defaults(ckpt.generation_config or {}))
 

@@ -41,13 +41,18 @@ def generate(
     device: str = typer.Option("cpu", help="cpu, cuda or cuda:N"),
     dtype: str = typer.Option("float32", help="float32, bfloat16 or float16"),
     enforce_eager: bool = typer.Option(False, "--enforce-eager", help="do not compile the decode step"),
+    quantization: Optional[str] = typer.Option(None, "--quantization",
+                                               help="weights: int8, int4, fp8 or mxfp4 (default: the checkpoint's)"),
+    quant_group_size: int = typer.Option(128, "--quant-group-size", help="int4 group size: 32, 64 or 128"),
+    kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="KV cache: auto, fp8 or int8"),
 ) -> None:
     """Generate a continuation of PROMPT, streaming it to stdout. Sampling options left out take the model's
     generation_config.json defaults (greedy where it sets none)."""
     from strata.llm import LLM
 
     try:
-        llm = LLM(model, device=device, dtype=dtype, max_num_seqs=1, enforce_eager=True if enforce_eager else None)
+        llm = LLM(model, device=device, dtype=dtype, max_num_seqs=1, enforce_eager=True if enforce_eager else None,
+                  quantization=quantization, quant_group_size=quant_group_size, kv_cache_dtype=kv_cache_dtype)
         params = llm.default_sampling_params(
             max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
             repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,

@@ -59,6 +59,10 @@ def serve(
     config: Optional[str] = typer.Option(None, "--config", help="YAML file with these options as keys"),
     log_level: Optional[str] = typer.Option(None, "--log-level", help="workers' log level (default WARNING)"),
     enforce_eager: bool = typer.Option(False, "--enforce-eager", help="workers do not compile the decode step"),
+    quantization: Optional[str] = typer.Option(None, "--quantization",
+                                               help="weights: int8, int4, fp8 or mxfp4 (default: the checkpoint's)"),
+    quant_group_size: Optional[int] = typer.Option(None, "--quant-group-size", help="int4 group size: 32, 64, 128"),
+    kv_cache_dtype: Optional[str] = typer.Option(None, "--kv-cache-dtype", help="KV cache: auto, fp8 or int8"),
 ) -> None:
     """Start a router and its prefill/decode workers; stop them all on Ctrl-C or SIGTERM."""
     from strata.launcher import LaunchError, LocalLauncher, ServeConfig
@@ -66,7 +70,8 @@ def serve(
     overrides = dict(prefill=prefill, decode=decode, model=model, host=host, grpc_port=grpc_port, http_port=http_port,
                      redis_url=redis_url, s3_url=s3_url, data_dir=data_dir, transfer=transfer, policy=policy,
                      log_level=log_level, disk_tier=False if no_disk else None,
-                     enforce_eager=True if enforce_eager else None)
+                     enforce_eager=True if enforce_eager else None, quantization=quantization,
+                     quant_group_size=quant_group_size, kv_cache_dtype=kv_cache_dtype)
     try:
         cfg = ServeConfig.from_file(config, **overrides) if config else ServeConfig.from_mapping({}, **overrides)
     except (ValueError, OSError) as exc:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, TextIO
 
+from engine.config import CacheConfig, ModelConfig
 from worker_common.config import TRANSFER_BACKENDS
 from worker_common.store_setup import s3_config
 
@@ -75,7 +76,9 @@ class ServeConfig:
     ready_timeout_s: float = 300.0
     register_workers: bool = True
     enforce_eager: bool = False
-
+    quantization: str | None = None     # workers' weights: int8, int4, fp8, mxfp4 (None: the checkpoint's own)
+    quant_group_size: int = 128
+    kv_cache_dtype: str = "auto"        # auto, fp8 or int8: workers' KV cache and the router's block namespace
 
     def __post_init__(self) -> None:
         _require(self.prefill >= 0, f"prefill must be >= 0 workers, got {self.prefill}")
@@ -89,6 +92,8 @@ class ServeConfig:
                  f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
         if self.s3_url:
             s3_config(self.s3_url)  # NOTE: here, in the parent: a bad bucket name fails before any process starts
+        ModelConfig("-", quantization=self.quantization, quant_group_size=self.quant_group_size)  # names the field
+        CacheConfig(kv_cache_dtype=self.kv_cache_dtype)
         _require(self.ready_timeout_s > 0, f"ready_timeout_s must be > 0, got {self.ready_timeout_s}")
         object.__setattr__(self, "worker_args", tuple(self.worker_args))
         object.__setattr__(self, "router_args", tuple(self.router_args))
@@ -112,6 +117,12 @@ class ServeConfig:
         data = yaml.safe_load(Path(path).read_text()) or {}
         _require(isinstance(data, dict), f"{path}: the config file must hold a mapping of keys to values")
         return cls.from_mapping(data.get("serve", data), **overrides)
+
+
+def quant_args(c: ServeConfig) -> list[str]:
+    """The quantization flags the router and every worker take alike (the router needs them for the namespace)."""
+    args = ["--kv-cache-dtype", c.kv_cache_dtype, "--quant-group-size", str(c.quant_group_size)]
+    return args + (["--quantization", c.quantization] if c.quantization else [])
 
 
 @dataclass(frozen=True)
@@ -333,6 +344,7 @@ class LocalLauncher(Launcher):
                 "--metrics-port", "0"]  # each worker's own /metrics, named on its READY line in the log
         if c.enforce_eager:
             args += ["--enforce-eager"]
+        args += quant_args(c)
         if c.disk_tier:
             assert self._data_dir is not None
             disk = self._data_dir / name / "disk"
@@ -350,6 +362,7 @@ class LocalLauncher(Launcher):
         c = self.config
         args = ["--model", model, "--host", c.host, "--grpc-port", str(c.grpc_port), "--http-port", str(c.http_port),
                 "--policy", c.policy, "--log-level", "INFO" if c.log_level.upper() in ("DEBUG", "INFO") else "WARNING"]
+        args += quant_args(c)
         if c.local_prefill_max_tokens is not None:
             args += ["--local-prefill-max-tokens", str(c.local_prefill_max_tokens)]
         for address in worker_addresses:

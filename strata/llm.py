@@ -14,12 +14,14 @@ from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from kvstore.hashing import Namespace, hash_block
-from engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from engine.config import CacheConfig, ModelConfig, SchedulerConfig, kv_storage_dtype
 from strata.paths import resolve_model
 
 
 def kv_namespace(runner: ModelRunner, cache_config: CacheConfig, dtype: str) -> Namespace:
-    """The block-hash namespace of a loaded model: weights, KV layout and dtype, tenant salt (DESIGN §3)."""
+    """The block-hash namespace of a loaded model: weights (and their quantization, in the fingerprint), KV layout
+    and the KV cache's storage dtype `dtype` (`kv_storage_dtype`: fp8/int8 KV never shares a block with the model
+    dtype's), tenant salt (DESIGN §3)."""
     spec = runner.spec
     return Namespace.for_model(runner.fingerprint, num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
                                head_dim=spec.head_dim, block_size=cache_config.block_size, kv_dtype=dtype,
@@ -42,11 +44,15 @@ class EngineArgs:
     seed: int = 0
     attention: str = "torch"
     enforce_eager: bool | None = None   # None: compiled unless STRATA_ENFORCE_EAGER=1
-
+    quantization: str | None = None     # int8, int4, fp8, mxfp4 (None: the checkpoint's own, else none)
+    quant_group_size: int = 128         # int4 group size
+    kv_cache_dtype: str = "auto"        # auto (the model dtype), fp8 or int8
 
     def configs(self) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
-        model = ModelConfig(resolve_model(self.model), self.device, self.dtype, self.seed, self.enforce_eager)
-        cache = CacheConfig(self.block_size, self.num_blocks, self.enable_prefix_caching)
+        model = ModelConfig(resolve_model(self.model), self.device, self.dtype, self.seed, self.enforce_eager,
+                            self.quantization, self.quant_group_size)
+        cache = CacheConfig(self.block_size, self.num_blocks, self.enable_prefix_caching,
+                            kv_cache_dtype=self.kv_cache_dtype)
         scheduler = SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len)
         return model, cache, scheduler
 
@@ -54,7 +60,7 @@ class EngineArgs:
 def build_engine(args: EngineArgs) -> LLMEngine:
     model_config, cache_config, scheduler_config = args.configs()
     runner = ModelRunner(model_config, cache_config, attention=args.attention, max_num_seqs=args.max_num_seqs)
-    namespace = kv_namespace(runner, cache_config, model_config.dtype)
+    namespace = kv_namespace(runner, cache_config, kv_storage_dtype(cache_config.kv_cache_dtype, model_config.dtype))
     return LLMEngine(runner, runner.tokenizer, cache_config, scheduler_config, hash_block,
                      namespace.fingerprint(), seed=args.seed)
 

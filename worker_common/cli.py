@@ -5,6 +5,7 @@ import argparse
 import logging
 from typing import Sequence
 
+from engine.config import KV_CACHE_DTYPES, QUANT_GROUP_SIZES, QUANTIZATION_SCHEMES
 from strata.paths import resolve_model
 from worker_common.config import TRANSFER_BACKENDS, WorkerConfig
 from worker_common.store_setup import S3_URL_FORMS, s3_config
@@ -37,6 +38,12 @@ def parse_config(role: str, argv: Sequence[str] | None = None) -> WorkerConfig:
     p.add_argument("--max-model-len", type=int, default=d.max_model_len)
     p.add_argument("--enforce-eager", action="store_true",
                    help="do not compile the decode step (also: STRATA_ENFORCE_EAGER=1)")
+    p.add_argument("--quantization", choices=QUANTIZATION_SCHEMES, default=None,
+                   help="quantize the weights at load time (default: the checkpoint's own quantization, else none)")
+    p.add_argument("--quant-group-size", type=int, choices=QUANT_GROUP_SIZES, default=d.quant_group_size,
+                   help="int4 group size")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype,
+                   help="KV cache storage: auto (the model dtype), fp8 or int8 (per-block, per-head scales)")
     p.add_argument("--lease-ttl-s", type=float, default=d.lease_ttl_s, help="prefill: KV lease without ReleaseKv")
     p.add_argument("--handoff-mib", type=int, default=d.handoff_bytes >> 20, help="prefill: hand-off region")
     p.add_argument("--host-tier-mib", type=int, default=d.host_tier_bytes >> 20)
@@ -66,7 +73,9 @@ def parse_config(role: str, argv: Sequence[str] | None = None) -> WorkerConfig:
         role=role, model=resolve_model(args.model), host=args.host, port=args.port, worker_id=args.worker_id,
         transfer=args.transfer, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, enforce_eager=args.enforce_eager, lease_ttl_s=args.lease_ttl_s, handoff_bytes=args.handoff_mib << 20,
+        max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
+        quantization=args.quantization, quant_group_size=args.quant_group_size, kv_cache_dtype=args.kv_cache_dtype,
+        lease_ttl_s=args.lease_ttl_s, handoff_bytes=args.handoff_mib << 20,
         host_tier_bytes=args.host_tier_mib << 20, transfer_deadline_s=args.transfer_deadline_s,
         disk_path=args.disk_path, redis_url=args.redis_url, s3_url=args.s3_url,
         kv_events_endpoint=args.kv_events_endpoint, kv_replay_endpoint=args.kv_replay_endpoint,

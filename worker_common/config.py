@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.config import CacheConfig, ModelConfig
+
 ROLES = ("prefill", "decode")
 TRANSFER_BACKENDS = ("shm", "tcp", "nixl")
 
@@ -45,6 +47,9 @@ class WorkerConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int = 2048
     enforce_eager: bool = False
+    quantization: str | None = None
+    quant_group_size: int = 128
+    kv_cache_dtype: str = "auto"
     lease_ttl_s: float = 30.0
     handoff_bytes: int = 256 << 20
     host_tier_bytes: int = 256 << 20
@@ -62,6 +67,9 @@ class WorkerConfig:
     metrics_port: int = -1
 
     def __post_init__(self) -> None:
+        ModelConfig(self.model or "-", dtype=self.dtype, quantization=self.quantization,
+                    quant_group_size=self.quant_group_size)            # validates those fields, naming them
+        CacheConfig(self.block_size, kv_cache_dtype=self.kv_cache_dtype)
         _require(self.role in ROLES, f"role must be one of {ROLES}, got {self.role!r}")
         _require(self.transfer in TRANSFER_BACKENDS,
                  f"transfer must be one of {TRANSFER_BACKENDS}, got {self.transfer!r}")

@@ -40,6 +40,23 @@ def test_register_makes_a_worker_ready_and_routable(registry):
     registry.check_integrity()
 
 
+def test_load_view_with_kv_keeps_only_workers_whose_kv_the_model_can_use(registry):
+    """fp8-KV and bf16-KV workers of one model id: a request hashed for fp8 KV is routed to fp8 workers only (so a
+    prefill never hands fp8 KV to a bf16 decoder); a worker that declares nothing (probed) is not excluded."""
+    fp8, bf16 = ModelFacts("m", model_fingerprint="F", kv_dtype="float8_e4m3fn"), ModelFacts("m", model_fingerprint="F",
+                                                                                          kv_dtype="bfloat16")
+    registry.register(WorkerRecord("p-fp8", "prefill", "a:1", fp8))
+    registry.register(WorkerRecord("p-bf16", "prefill", "a:2", bf16))
+    registry.register(WorkerRecord("d-fp8", "decode", "a:3", fp8))
+    registry.register(WorkerRecord("d-other-weights", "decode", "a:4",
+                                   ModelFacts("m", model_fingerprint="G", kv_dtype="float8_e4m3fn")))
+    registry.register(WorkerRecord("d-probed", "decode", "a:5", ModelFacts("m")))
+    view = registry.load_view("m", kv=("F", "float8_e4m3fn"))
+    assert [w.worker_id for w in view.prefill_workers()] == ["p-fp8"]
+    assert sorted(w.worker_id for w in view.decode_workers()) == ["d-fp8", "d-probed"]
+    assert sorted(w.worker_id for w in registry.load_view("m", kv=("F", "bfloat16")).prefill_workers()) == ["p-bf16"]
+
+
 def test_record_requires_id_address_role_and_model():
     with pytest.raises(ValueError, match="worker.id"):
         WorkerRecord("", "decode", "a:1", ModelFacts("m"))
