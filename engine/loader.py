@@ -3,7 +3,10 @@ model.safetensors.index.json), tokenizer.json (+ tokenizer_config.json), generat
 
     load_checkpoint(path) -> Checkpoint      cheap: parses config and safetensors headers, no weights read
                                              (engine.checkpoint, torch-free; re-exported here)
-    load_model(model_config) -> LoadedModel  builds the decoder and fills its (fused, stacked) weights
+    load_model(model_config) -> LoadedModel  builds the decoder and fills its (fused, stacked) weights; linears a
+                                             pre-quantized checkpoint stores quantized load into quantized modules
+                                             (engine.quant.prequantized), else `model_config.quantization`
+                                             quantizes the float weights (engine.quant.apply)
 
 Errors are `CheckpointError` subclasses (all `ValueError`) naming the file, tensor or field.
 """
@@ -23,8 +26,12 @@ from engine.models.errors import (CheckpointError, ConfigFieldError, MissingFile
                                   TensorShapeError, TokenizerMismatchError, UnsupportedArchitectureError)
 from engine.models.spec import ModelSpec
 from engine.models.weights import load_weights
+from engine.quant.apply import quantize_model
+from engine.quant.formats import CheckpointQuant, checkpoint_quantization
+from engine.quant.prequantized import load_prequantized
+from engine.quant.schemes import make_scheme
 from engine.tokenizer import Tokenizer
-from engine.config import ModelConfig
+from engine.config import ModelConfig, quantization_label
 
 __all__ = ["Checkpoint", "CheckpointError", "ConfigFieldError", "LoadedModel", "MissingFileError",
            "MissingTensorError", "SafetensorsReader", "TensorShapeError", "TokenizerMismatchError",
@@ -80,20 +87,47 @@ class LoadedModel:
     tokenizer: Tokenizer
     fingerprint: str
     generation_config: dict[str, Any]
+    quantization: str = "none"          # how the weights run: "none", a scheme's tag ("int4-g128") or the checkpoint
+                                        # format's name ("gptq-int4-g128"); the fingerprint uses quantization_label
+
+
+def checkpoint_quant(ckpt: Checkpoint, model_config: ModelConfig) -> CheckpointQuant | None:
+    """The checkpoint's own quantization (config.json's `quantization_config`) or None. A `quantization` asked
+    for that differs from the checkpoint's is refused (ValueError naming the field); a matching one, or none,
+    serves the checkpoint as it is (its own group size wins over `quant_group_size`)."""
+    cq = checkpoint_quantization(ckpt.config, str(ckpt.folder / "config.json"))
+    if cq is not None and model_config.quantization not in (None, cq.scheme):
+        raise ValueError(f"quantization={model_config.quantization!r} differs from the checkpoint's own "
+                         f"({cq.name}, scheme {cq.scheme!r}); leave quantization unset or set it to {cq.scheme!r}")
+    return cq
+
+
+def _fill(model: CausalLM, ckpt: Checkpoint, cq: CheckpointQuant | None) -> None:
+    """Load every weight: the checkpoint's quantized linears into quantized modules first, then the float rest."""
+    reader = SafetensorsReader(list(ckpt.files))
+    try:
+        done = load_prequantized(model, ckpt.spec, reader, cq) if cq is not None else frozenset()
+        load_weights(model, ckpt.spec, reader, skip=done)
+    finally:
+        reader.close()
 
 
 def load_model(model_config: ModelConfig, moe_backend: str = "local") -> LoadedModel:
-    """Read, check and place a checkpoint on `model_config.device` in `model_config.dtype`."""
+    """Read, check and place a checkpoint on `model_config.device` in `model_config.dtype`, quantized as the
+    checkpoint stores it or as `model_config.quantization` asks (the fingerprint names which)."""
     ckpt = load_checkpoint(model_config.path)
     tokenizer = Tokenizer.from_dir(ckpt.folder)
     check_tokenizer(tokenizer, ckpt.spec, ckpt.folder)
+    cq = checkpoint_quant(ckpt, model_config)
     device, dtype = torch.device(model_config.device), torch_dtype(model_config.dtype)
     model = CausalLM(ckpt.spec, dtype, device, moe_backend)
-    reader = SafetensorsReader(list(ckpt.files))
-    try:
-        load_weights(model, ckpt.spec, reader)
-    finally:
-        reader.close()
+    _fill(model, ckpt, cq)
+    if cq is None and model_config.quantization is not None:
+        quantize_model(model, make_scheme(model_config.quantization, model_config.quant_group_size))
     model.post_load()
     model.eval()
-    return LoadedModel(model, ckpt.spec, tokenizer, ckpt.fingerprint(model_config.dtype), ckpt.generation_config)
+    # NOTE: the fingerprint's label is engine.config's torch-free one, which the router computes too
+    label = quantization_label(model_config.quantization, model_config.quant_group_size, ckpt.config)
+    tag = cq.name if cq is not None else label
+    return LoadedModel(model, ckpt.spec, tokenizer, ckpt.fingerprint(model_config.dtype, label),
+                       ckpt.generation_config, tag)

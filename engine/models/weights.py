@@ -20,6 +20,9 @@ from engine.models.errors import MissingTensorError, TensorShapeError
 from engine.models.spec import ModelSpec
 
 
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
 class TensorReader(Protocol):
     def shape(self, name: str) -> tuple[int, ...] | None: ...
     def get(self, name: str) -> torch.Tensor: ...
@@ -98,7 +101,12 @@ def _read_checked(reader: TensorReader, name: str, expected: tuple[int, ...], pa
     if tuple(shape) != expected:
         raise TensorShapeError(f"tensor {name!r} in {reader.file_of(name)} has shape {list(shape)}, expected "
                                f"{list(expected)} from config.json")
-    return reader.get(name)
+    tensor = reader.get(name)
+    if tensor.dtype not in FLOAT_DTYPES:
+        # NOTE: an fp8 tensor has the float weight's shape and would copy into it without its scale.
+        raise TensorShapeError(f"tensor {name!r} in {reader.file_of(name)} has dtype {tensor.dtype}, expected one "
+                               f"of {[str(d) for d in FLOAT_DTYPES]} (a quantized tensor no reader unpacked)")
+    return tensor
 
 
 def _split_rows(param_shape: tuple[int, ...], n_parts: int) -> list[tuple[int, ...]]:
@@ -131,11 +139,16 @@ def _load_experts(reader: TensorReader, src: Source, name: str, shape: tuple[int
     return torch.stack(experts)                                          # [E, rows, cols]
 
 
-def load_weights(model: nn.Module, spec: ModelSpec, reader: TensorReader) -> None:
-    """Fill every parameter of `model` from the checkpoint (raises MissingTensorError / TensorShapeError)."""
+def load_weights(model: nn.Module, spec: ModelSpec, reader: TensorReader,
+                 skip: frozenset[str] = frozenset()) -> None:
+    """Fill every parameter of `model` from the checkpoint (raises MissingTensorError / TensorShapeError).
+    `skip`: our parameter names another path already filled (engine.quant.prequantized: linears a pre-quantized
+    checkpoint stores quantized, now quantized modules, and float ones it dequantized)."""
     sources = weight_sources(spec)
     params = dict(model.named_parameters())
     for name, src in sources.items():
+        if name in skip:
+            continue
         param = params[name]
         shape = tuple(param.shape)
         loaded = _load_experts(reader, src, name, shape) if src.per_expert else \

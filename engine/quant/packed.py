@@ -23,7 +23,7 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 class IntWeight:
     """Integers with a scale (and zero point) per group of `group_size` input columns.
 
-    - `q` `[n, k]` int32 holding the integer values: signed (-127..127) when `zero` is None, else unsigned
+    - `q` `[n, k]` int32 holding the integer values: signed (-128..127) when `zero` is None, else unsigned
       (0 .. 2**bits - 1) with `zero` the integer zero point.
     - `scale` `[n, k // group_size]` float32; `zero` `[n, k // group_size]` int32 or None (symmetric).
     - `group_size == k`: one scale per output channel.
@@ -91,10 +91,47 @@ class Mxfp4Weight:
         n, k = self.shape
         lo, hi = self.blocks & 0x0F, self.blocks >> 4                          # [n, k/2] codes each
         codes = torch.stack((lo, hi), dim=-1).reshape(n, k).long()            # [n, k]
-        table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32)
+        table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32,
+                             device=self.blocks.device)
         values = table[codes]                                                 # [n, k]
         exps = self.scales.float().repeat_interleave(MX_BLOCK, dim=1) - 127   # [n, k]
         return values * torch.exp2(exps)
 
 
 QuantizedWeight = IntWeight | Fp8Weight | Mxfp4Weight
+
+
+def _same(values: list, what: str) -> None:
+    if any(v != values[0] for v in values[1:]):
+        raise ValueError(f"concat_rows: every part must have the same {what}, got {values}")
+
+
+def _concat_int(parts: list[IntWeight]) -> IntWeight:
+    _same([(p.bits, p.group_size, p.zero is None, p.shape[1]) for p in parts],
+          "(bits, group_size, symmetric, in_features)")
+    perms = [p.perm for p in parts]
+    if any((a is None) != (b is None) or (a is not None and not torch.equal(a, b)) for a, b in zip(perms, perms[1:])):
+        # NOTE: GPTQ orders columns by the Hessian of the layer's INPUT, which q/k/v (and gate/up) share, so
+        # real checkpoints agree; differing orders cannot share one matmul.
+        raise ValueError("concat_rows: parts have different act-order perms; they cannot share one matmul")
+    zero = None if parts[0].zero is None else torch.cat([p.zero for p in parts])
+    return IntWeight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), zero,
+                     parts[0].group_size, parts[0].bits, parts[0].perm)
+
+
+def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
+    """Stack quantized weights along the output dim (q|k|v into qkv, gate|up into gate_up), as `torch.cat(dim=0)`
+    of their dequantized matrices. All parts must be the same type and layout (bits, group size, symmetry, k)."""
+    if not weights:
+        raise ValueError("concat_rows: needs at least one weight")
+    kinds = {type(w) for w in weights}
+    if len(kinds) != 1:
+        raise ValueError(f"concat_rows: parts mix types {sorted(k.__name__ for k in kinds)}")
+    if len(weights) == 1:
+        return weights[0]
+    if isinstance(weights[0], IntWeight):
+        return _concat_int(weights)
+    _same([w.shape[1] for w in weights], "in_features")
+    if isinstance(weights[0], Fp8Weight):
+        return Fp8Weight(torch.cat([w.weight for w in weights]), torch.cat([w.scale for w in weights]))
+    return Mxfp4Weight(torch.cat([w.blocks for w in weights]), torch.cat([w.scales for w in weights]))
