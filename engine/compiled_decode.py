@@ -22,6 +22,16 @@ Attention in the graph reads each sequence's blocks through its block table, wit
 positions (and each layer's sliding window). Everything else is the model's own code (`CausalLM.forward`), so the
 compiled and eager steps cannot drift apart; the MoE backend picks its sync-free path while compiling.
 
+A quantized KV cache (fp8/int8 with per-block, per-head scales, engine/attention/kv_quant.py) enters the graph as
+its flat bytes `[num_blocks * span]` (uint8, spans `| scales | values |`), and `QuantizedGraphAttention` applies
+kv_quant's write rule there with byte-index `index_put_`s into that input (in place, as above): each row's scales
+and its whole current block (re-quantized older slots, the new row) are rewritten every step, which for a block
+whose scale did not grow writes back the same bytes (the rule is the identity then), so no data-dependent branch
+is needed (the writes are byte-identical to the eager reference's, tests/unit/test_compiled_decode.py). Its reads
+gather and dequantize the blocks in the same loops as the unquantized gather. Measured (bundled model, 1 thread,
+context ~150, ms a step, auto / fp8 / int8): float32 batch 1 1.15 / 1.31 / 1.31, batch 16 5.2 / 6.8 / 6.1;
+bfloat16 batch 1 1.09 / 1.43 / 1.48, batch 16 3.9 / 8.2 / 8.1 (the dequantizing attention loops dominate there).
+
 Inductor's caches live on disk (`$STRATA_COMPILE_CACHE`, default `~/.cache/strata/inductor`), so a restart
 loads the compiled code instead of compiling again. `enforce_eager` (or `STRATA_ENFORCE_EAGER=1`) turns all of
 this off.
@@ -37,6 +47,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from engine.attention import kv_quant
 from engine.attention.backend import AttentionBackend
 from engine.batch import ScheduledSeq, StepBatch
 from engine.kv_cache import KVCache
@@ -76,9 +87,11 @@ def _use_disk_cache() -> None:
 class GraphMeta(NamedTuple):
     """Per-step inputs of the attention inside the graph (all on the model's device)."""
 
-    rows: torch.Tensor                    # [B] flat-cache row of each new token's K (layer 0); + 2*l*bs (+bs for V)
+    rows: torch.Tensor                    # [B] flat-cache row of each new token's K (layer 0); + 2*l*bs (+bs for V);
+                                          # quantized cache: the block id of each new token's slot
     tables: torch.Tensor                  # [B * W] block ids, row by row (padding: block 0, masked out)
     masks: dict                           # window (None: full) -> additive mask [B, 1, 1, W * bs]
+    offsets: torch.Tensor | None = None   # [B] quantized cache: each new token's offset in its block
 
 
 class GraphAttention(AttentionBackend):
@@ -96,27 +109,117 @@ class GraphAttention(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, meta: GraphMeta, scale: float,
                 window: int | None = None) -> torch.Tensor:
         flat, layer = cache
-        bsz, hq, dim = q.shape
-        _, _, _, bs, hkv, _ = self.shape6
+        keys, values = self._write_and_gather(flat, layer, k, v, meta)       # [B, Hkv, 1, S, D] each
+        return _attend(q, keys, values, meta.masks[window], scale)
+
+    def _write_and_gather(self, flat: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor,
+                          meta: GraphMeta) -> tuple[torch.Tensor, torch.Tensor]:
+        bsz, hkv, dim = k.shape
+        bs = self.shape6[3]
         flat.index_put_((meta.rows + (2 * layer) * bs,), k.reshape(bsz, hkv * dim))
         flat.index_put_((meta.rows + (2 * layer + 1) * bs,), v.reshape(bsz, hkv * dim))
         cache6 = flat.view(self.shape6)
-        # [B, Hkv, 1, S, D] views of the gathered blocks (the gather fuses into the loops below)
-        keys, values = (cache6[:, layer, i].index_select(0, meta.tables).view(bsz, -1, hkv, dim)
-                        .permute(0, 2, 1, 3)[:, :, None] for i in (0, 1))
-        # GQA without repeating K/V: a KV head's G query heads are one more broadcast axis. Spelled out as multiply
-        # and sum (not SDPA) so the compiler fuses the block gather into the reductions, the softmax running over
-        # the innermost axis. NOTE: measured per layer (1 thread, batch 32, gather + attention compiled alone), this
-        # vs SDPA vs the same with the keys axis outermost: static shapes, 160 keys 224 / 974 / 419 us, 512 keys
-        # 785 / 4038 / 2018; symbolic keys only 278 / 339 / 378 and 1142 / 2483 / 2360; symbolic batch and keys
-        # 463 / 385 / 577 and 2433 / 2988 / 3061; batch 1, 128 keys 27 / 42 / 30. In the whole bundled-model step
-        # the layouts measured within noise of each other (7.7-9.1 ms at batch 32).
-        # float32 arithmetic whatever the model dtype (the casts fuse into the loops), as SDPA accumulates.
-        queries = q.view(bsz, hkv, hq // hkv, 1, dim).float()                                # [B, Hkv, G, 1, D]
-        scores = (queries * keys.float()).sum(-1) * scale + meta.masks[window]               # [B, Hkv, G, S]
-        probs = torch.softmax(scores, dim=-1)
-        out = (probs.unsqueeze(-1) * values.float()).sum(-2).to(q.dtype)                     # [B, Hkv, G, D]
-        return out.reshape(bsz, hq, dim)
+        # [B, Hkv, 1, S, D] views of the gathered blocks (the gather fuses into the loops of `_attend`)
+        return tuple(cache6[:, layer, i].index_select(0, meta.tables).view(bsz, -1, hkv, dim)
+                     .permute(0, 2, 1, 3)[:, :, None] for i in (0, 1))
+
+
+class QuantizedGraphAttention(GraphAttention):
+    """`GraphAttention` over a quantized cache: `cache` is `(flat bytes [num_blocks * span], layer index)` and
+    `meta.rows` / `meta.offsets` the block and offset of each row's new token. Writes follow kv_quant's rule
+    exactly (a pure decode writes one row per block: padding rows repeat row 0 and write the same bytes)."""
+
+    def __init__(self, cache: KVCache) -> None:
+        layer0 = cache.layers[0]
+        self.block_size, self.span, self.scale_bytes = cache.block_size, cache.block_bytes, cache.scale_bytes
+        self.heads, self.dim, self.dtype = layer0.k.shape[2], layer0.k.shape[3], layer0.k.dtype
+        self.qmax = kv_quant.QMAX[self.dtype]
+
+    def _write_and_gather(self, flat: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor,
+                          meta: GraphMeta) -> tuple[torch.Tensor, torch.Tensor]:
+        for i, x in ((0, k), (1, v)):
+            self._write(flat, 2 * layer + i, x, meta.rows, meta.offsets)
+        return tuple(self._gather(flat, 2 * layer + i, meta.tables, k.shape[0], k.dtype) for i in (0, 1))
+
+    def _scale_index(self, blocks: torch.Tensor, region: int) -> torch.Tensor:
+        """Byte offsets `[n, 4 * Hkv]` of the float32 scales of (layer, K/V) `region` of `blocks [n]`."""
+        start = blocks * self.span + region * 4 * self.heads
+        return start[:, None] + torch.arange(4 * self.heads, device=blocks.device)
+
+    def _values_index(self, blocks: torch.Tensor, region: int) -> torch.Tensor:
+        """Byte offsets `[n, bs * Hkv * D]` of the values of (layer, K/V) `region` of `blocks [n]`."""
+        size = self.block_size * self.heads * self.dim
+        start = blocks * self.span + self.scale_bytes + region * size
+        return start[:, None] + torch.arange(size, device=blocks.device)
+
+    def _write(self, flat: torch.Tensor, region: int, x: torch.Tensor, blocks: torch.Tensor,
+               offsets: torch.Tensor) -> None:
+        bsz, bs = x.shape[0], self.block_size
+        scales, values = self._views(flat, region)
+        fresh = offsets == 0                                                             # [B]
+        old = _floats(scales.index_select(0, blocks)).masked_fill(fresh[:, None], 0.0)  # [B, Hkv]
+        rows = x.float()                                                                 # [B, Hkv, D]
+        new = torch.maximum(old, rows.abs().amax(-1) / self.qmax)                        # [B, Hkv]
+        grown = new > 0
+        divisor = torch.where(grown, new, 1.0)
+        stored = values.index_select(0, blocks).float()                                  # [B, bs, Hkv, D]
+        kept = (stored * (old / divisor)[:, None, :, None]).masked_fill(
+            ~(grown & ~fresh[:, None])[:, None, :, None], 0.0)
+        row = (rows / divisor[:, :, None]).masked_fill(~grown[:, :, None], 0.0)         # [B, Hkv, D]
+        slot = torch.arange(bs, device=x.device)[None, :] == offsets[:, None]           # [B, bs]
+        block = torch.where(slot[:, :, None, None], row[:, None], kept)                 # [B, bs, Hkv, D]
+        # NOTE: written as bytes into the flat input itself (in place); reads go through typed views of it
+        flat.index_put_((self._values_index(blocks, region),),
+                        kv_quant.quantize(block, self.dtype).view(torch.uint8).view(bsz, -1))
+        flat.index_put_((self._scale_index(blocks, region),), new.view(torch.uint8).view(bsz, -1))
+
+    def _gather(self, flat: torch.Tensor, region: int, tables: torch.Tensor, bsz: int,
+                dtype: torch.dtype) -> torch.Tensor:
+        """`[B, Hkv, 1, S, D]` dequantized K or V of the blocks `tables [B * W]` (in the model's `dtype`, as the
+        eager backend reads them)."""
+        scales, values = self._views(flat, region)
+        picked = values.index_select(0, tables).float()                                  # [B * W, bs, Hkv, D]
+        kv = (picked * _floats(scales.index_select(0, tables))[:, None, :, None]).to(dtype)
+        return kv.view(bsz, -1, self.heads, self.dim).permute(0, 2, 1, 3)[:, :, None]
+
+    def _views(self, flat: torch.Tensor, region: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of (layer, K/V) `region`: its scales' bytes `[nb, 4 * Hkv]` (uint8: see `_floats`) and its values
+        `[nb, bs, Hkv, D]` (fp8 / int8)."""
+        # NOTE: reads go through these (whole-row index_selects: contiguous copies) rather than through byte
+        # indices into `flat`, which the compiler gathers byte by byte, 60x slower (measured: 144 blocks, 6.8 vs
+        # 0.11 ms)
+        spans = flat.view(-1, self.span)                                                 # [nb, span]
+        nb, hkv = spans.shape[0], self.heads
+        scales = spans[:, :self.scale_bytes].view(nb, -1, 4 * hkv)[:, region]
+        values = spans[:, self.scale_bytes:].view(self.dtype).view(nb, -1, self.block_size, hkv, self.dim)
+        return scales, values[:, region]
+
+
+def _floats(scale_bytes: torch.Tensor) -> torch.Tensor:
+    """`[n, 4 * Hkv]` uint8 -> `[n, Hkv]` float32 scales. NOTE: this bitcast changes the element size, which the
+    compiler materializes: done on the few gathered rows, never on a view of the whole cache (measured: that
+    copied every block's scales every layer, +7 ms a step at 32k blocks)."""
+    return scale_bytes.contiguous().view(torch.float32)
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+            scale: float) -> torch.Tensor:
+    """One new token per row over keys/values `[B, Hkv, 1, S, D]` with an additive `mask [B, 1, 1, S]`."""
+    bsz, hq, dim = q.shape
+    hkv = keys.shape[1]
+    # GQA without repeating K/V: a KV head's G query heads are one more broadcast axis. Spelled out as multiply
+    # and sum (not SDPA) so the compiler fuses the block gather into the reductions, the softmax running over
+    # the innermost axis. NOTE: measured per layer (1 thread, batch 32, gather + attention compiled alone), this
+    # vs SDPA vs the same with the keys axis outermost: static shapes, 160 keys 224 / 974 / 419 us, 512 keys
+    # 785 / 4038 / 2018; symbolic keys only 278 / 339 / 378 and 1142 / 2483 / 2360; symbolic batch and keys
+    # 463 / 385 / 577 and 2433 / 2988 / 3061; batch 1, 128 keys 27 / 42 / 30. In the whole bundled-model step
+    # the layouts measured within noise of each other (7.7-9.1 ms at batch 32).
+    # float32 arithmetic whatever the model dtype (the casts fuse into the loops), as SDPA accumulates.
+    queries = q.view(bsz, hkv, hq // hkv, 1, dim).float()                                # [B, Hkv, G, 1, D]
+    scores = (queries * keys.float()).sum(-1) * scale + mask                             # [B, Hkv, G, S]
+    probs = torch.softmax(scores, dim=-1)
+    out = (probs.unsqueeze(-1) * values.float()).sum(-2).to(q.dtype)                     # [B, Hkv, G, D]
+    return out.reshape(bsz, hq, dim)
 
 
 def _window_masks(positions: torch.Tensor, span: int, windows: tuple) -> dict:
@@ -145,8 +248,12 @@ class CompiledDecode:
         self.model, self.cache, self.device = model, cache, device
         self.buckets = batch_buckets(max_batch)
         self.block_size = cache.block_size
-        self.flat = cache.tensor.view(-1, cache.tensor.shape[-2] * cache.tensor.shape[-1])   # shares storage
-        self.attention = GraphAttention(cache)
+        self.quantized = cache.quantized
+        if self.quantized:      # the cache's bytes, spans back to back
+            self.flat, self.attention = cache.tensor.view(-1), QuantizedGraphAttention(cache)
+        else:                   # shares storage
+            self.flat = cache.tensor.view(-1, cache.tensor.shape[-2] * cache.tensor.shape[-1])
+            self.attention = GraphAttention(cache)
         self.windows = tuple(sorted({layer.attn.window for layer in model.layers}, key=lambda w: w or 0))
         self.compilations = 0
         self._layers_per_block = cache.tensor.shape[1]
@@ -166,7 +273,8 @@ class CompiledDecode:
     def _forward(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor,
                  tables: torch.Tensor, positions: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
         span = tables.shape[1] * self.block_size
-        meta = GraphMeta(rows, tables.reshape(-1), _window_masks(positions, span, self.windows))
+        offsets = positions % self.block_size if self.quantized else None
+        meta = GraphMeta(rows, tables.reshape(-1), _window_masks(positions, span, self.windows), offsets)
         caches = [(flat, i) for i in range(len(self.model.layers))]
         hidden = self.model(input_ids, cos, sin, self.attention, caches, meta)   # [B, H]
         return self.model.logits(hidden)                                         # [B, V] float32
@@ -186,8 +294,11 @@ class CompiledDecode:
         width = max(2, max(s.start_pos // bs + 1 for s in seqs))
         ids = [s.token_ids[0] for s in seqs]
         pos = [s.start_pos for s in seqs]
-        per_block = self._layers_per_block * 2 * bs
-        rows = [s.block_table[s.start_pos // bs] * per_block + s.start_pos % bs for s in seqs]
+        if self.quantized:   # the block of each new token (its offset is position % bs)
+            rows = [s.block_table[s.start_pos // bs] for s in seqs]
+        else:
+            per_block = self._layers_per_block * 2 * bs
+            rows = [s.block_table[s.start_pos // bs] * per_block + s.start_pos % bs for s in seqs]
         tables = [s.block_table[:width] + [0] * (width - min(width, len(s.block_table))) for s in seqs]
         if pad:
             ids, pos, rows, tables = ids + ids[:1] * pad, pos + pos[:1] * pad, rows + rows[:1] * pad, \

@@ -1,32 +1,57 @@
-"""The paged KV cache: one block-major tensor (DESIGN §4)
+"""The paged KV cache: block-major (DESIGN §4), so one block's K and V for every layer is one contiguous span: one
+transfer descriptor, one stored object. Each layer sees views of it, made once here so the hot path does not
+re-slice them every step; no copy is made.
+
+Unquantized (the model dtype): one typed tensor, each layer a (K, V) pair `[num_blocks, block_size, kv_heads, D]`
 
     [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
 
-so one block's K and V for every layer is one contiguous span: one transfer descriptor, one stored object.
-Each layer sees two strided views (K and V) `[num_blocks, block_size, kv_heads, head_dim]` of it, made once here
-so the hot path does not re-slice them every step; no copy is made.
+Quantized (fp8 e4m3 / int8, engine/attention/kv_quant.py): one uint8 tensor `[num_blocks, span]`, each block's span
+
+    | scales: float32 [num_layers, 2, kv_heads] | values: fp8/int8 [num_layers, 2, block_size, kv_heads, head_dim] |
+
+and each layer a `QuantizedLayerKV(k, v, k_scale, v_scale)`. Scales come first so that the codec's `scales` section
+followed by its `payload` section is exactly one span (header | tokens | scales | payload, kvstore/codec.py).
 """
 from __future__ import annotations
 
 import torch
 
+from engine.attention.kv_quant import QUANTIZED_DTYPES, QuantizedLayerKV
+
 
 class KVCache:
     def __init__(self, num_blocks: int, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> None:
+        """`dtype`: what K/V are stored in: the model dtype, or float8_e4m3fn / int8 (quantized, with scales)."""
         self.num_blocks, self.num_layers, self.block_size = num_blocks, num_layers, block_size
-        self.tensor = torch.zeros(num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim,
-                                  dtype=dtype, device=device)
-        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (self.tensor[:, i, 0], self.tensor[:, i, 1]) for i in range(num_layers)]  # each [nb, bs, Hkv, D]
+        self.dtype, self.quantized = dtype, dtype in QUANTIZED_DTYPES
+        values = (num_layers, 2, block_size, num_kv_heads, head_dim)
+        if not self.quantized:
+            self.scale_bytes = 0
+            self.tensor = torch.zeros(num_blocks, *values, dtype=dtype, device=device)
+            self.layers: list = [(self.tensor[:, i, 0], self.tensor[:, i, 1]) for i in range(num_layers)]
+            return
+        self.scale_bytes = num_layers * 2 * num_kv_heads * 4
+        span = self.scale_bytes + num_layers * 2 * block_size * num_kv_heads * head_dim
+        if span % 4:
+            raise ValueError(f"a quantized KV block span must be a multiple of 4 bytes (float32 scales), got {span} "
+                             f"(head_dim {head_dim} x block_size {block_size} x kv_heads {num_kv_heads} is odd)")
+        self.tensor = torch.zeros(num_blocks, span, dtype=torch.uint8, device=device)
+        scales = self.tensor[:, :self.scale_bytes].view(torch.float32).view(num_blocks, num_layers, 2, num_kv_heads)
+        kv = self.tensor[:, self.scale_bytes:].view(dtype).view(num_blocks, *values)
+        self.layers = [QuantizedLayerKV(kv[:, i, 0], kv[:, i, 1], scales[:, i, 0], scales[:, i, 1])
+                       for i in range(num_layers)]
 
     @property
     def block_shape(self) -> tuple[int, ...]:
-        """Shape of one block across all layers: `[num_layers, 2, block_size, kv_heads, head_dim]`."""
+        """Shape of one block as `read_blocks` returns it: `[num_layers, 2, block_size, kv_heads, head_dim]`, or
+        `[span]` (bytes) when quantized."""
         return tuple(self.tensor.shape[1:])
 
     @property
     def block_bytes(self) -> int:
+        """Bytes of one block's span (scales and values when quantized)."""
         return self.tensor[0].numel() * self.tensor.element_size()
 
     def _ids(self, block_ids: list[int] | torch.Tensor) -> torch.Tensor:
@@ -38,11 +63,11 @@ class KVCache:
         return ids.to(self.tensor.device)
 
     def read_blocks(self, block_ids: list[int] | torch.Tensor) -> torch.Tensor:
-        """A contiguous copy `[n, num_layers, 2, block_size, kv_heads, head_dim]` of the given blocks."""
+        """A contiguous copy `[n, *block_shape]` of the given blocks' whole spans (uint8 when quantized)."""
         return self.tensor.index_select(0, self._ids(block_ids))
 
     def write_blocks(self, block_ids: list[int] | torch.Tensor, data: torch.Tensor) -> None:
-        """Overwrite the given blocks with `data [n, *block_shape]` (same dtype; any device)."""
+        """Overwrite the given blocks' spans with `data [n, *block_shape]` (the cache tensor's dtype; any device)."""
         ids = self._ids(block_ids)
         expected = (ids.numel(), *self.block_shape)
         if tuple(data.shape) != expected:

@@ -14,7 +14,7 @@ from engine.batch import StepBatch
 from engine.compiled_decode import CompiledDecode, eager_forced
 from engine.kv_cache import KVCache
 from engine.loader import load_model, torch_dtype
-from engine.config import CacheConfig, ModelConfig
+from engine.config import CacheConfig, ModelConfig, kv_storage_dtype
 
 
 def _flat_inputs(batch: StepBatch) -> tuple[list[int], list[int], list[int]]:
@@ -53,8 +53,10 @@ class ModelRunner:
         self.device, self.dtype = torch.device(model_config.device), torch_dtype(model_config.dtype)
         self.block_size = cache_config.block_size
         self.attention = get_attention_backend(attention)
+        # the storage dtype: the model's ("auto"), or float8_e4m3fn / int8 with per-block, per-head scales
+        self.kv_dtype = kv_storage_dtype(cache_config.kv_cache_dtype, model_config.dtype)
         self.cache = KVCache(cache_config.num_blocks, self.spec.num_layers, cache_config.block_size,
-                             self.spec.num_kv_heads, self.spec.head_dim, self.dtype, self.device)
+                             self.spec.num_kv_heads, self.spec.head_dim, getattr(torch, self.kv_dtype), self.device)
         self.compiled: CompiledDecode | None = None
         eager = model_config.enforce_eager
         if not (eager_forced() if eager is None else eager):
@@ -63,12 +65,19 @@ class ModelRunner:
 
     @property
     def kv_cache(self) -> torch.Tensor:
-        """`[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`."""
+        """`[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`; uint8 `[num_blocks, span]` when the KV
+        is quantized (engine/kv_cache.py)."""
         return self.cache.tensor
 
     @property
     def block_bytes(self) -> int:
+        """Bytes of one block's span (scales + values when quantized): what `read_blocks` gives per block."""
         return self.cache.block_bytes
+
+    @property
+    def scale_bytes(self) -> int:
+        """Bytes of a block's scales (the start of its span); 0 when the KV is not quantized."""
+        return self.cache.scale_bytes
 
     @property
     def num_blocks(self) -> int:
@@ -79,6 +88,7 @@ class ModelRunner:
         return self.spec.vocab_size
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """`[n, *kv_cache.shape[1:]]`: whole block spans (uint8 `[n, span]` when quantized)."""
         return self.cache.read_blocks(block_ids)
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:

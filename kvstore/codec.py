@@ -6,6 +6,11 @@
       section lengths, checksum (xxh3-64 over tokens + scales + payload), header checksum (xxh3-64 of the header);
       128 bytes in all
 
+A quantized block (dtype float8_e4m3fn or int8) carries its scales, float32 `[num_layers, 2, kv_heads]` (one per
+layer, K/V and head), in the scales section; any other dtype carries none. The engine keeps a quantized block as
+one span `scales | values` (engine/kv_cache.py), so the scales and payload sections together are exactly that
+span, back to back. Blocks without scales encode exactly as before (scales length 0, same version).
+
 The token ids and parent hash are optional; carrying them makes a stored block self-describing, so a tier that
 demotes or rebuilds blocks can still publish complete `BlockStored` events (DESIGN §6).
 Reading verifies everything and raises `CorruptBlock` naming what failed, so a bad copy becomes a counted miss and
@@ -41,6 +46,10 @@ DTYPE_CODES: dict[str, int] = {
 }
 DTYPE_NAMES = {code: name for name, code in DTYPE_CODES.items()}
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1, "uint8": 1}
+
+# KV stored quantized with float32 scales per (layer, K/V, kv head) in the scales section.
+QUANTIZED_DTYPES = ("float8_e4m3fn", "int8")
+SCALE_SIZE = 4
 
 # Layout ids: 0 is the engine's block-major span `[num_layers, 2, block_size, kv_heads, head_dim]`.
 LAYOUT_BLOCK_MAJOR = 0
@@ -80,6 +89,15 @@ class BlockLayout:
         """Bytes of K and V across all layers of one block in `dtype`."""
         return self.num_layers * 2 * self.block_size * self.kv_heads * self.head_dim * _dtype_size(dtype)
 
+    def scale_bytes(self, dtype: str) -> int:
+        """Bytes of one block's scales in `dtype`: float32 `[num_layers, 2, kv_heads]` when quantized, else 0."""
+        _dtype_size(dtype)
+        return self.num_layers * 2 * self.kv_heads * SCALE_SIZE if dtype in QUANTIZED_DTYPES else 0
+
+    def span_bytes(self, dtype: str) -> int:
+        """Bytes of the scales and payload sections together (the engine's block span)."""
+        return self.scale_bytes(dtype) + self.payload_bytes(dtype)
+
 
 class BlockHeader(NamedTuple):
     fingerprint: bytes
@@ -105,13 +123,14 @@ class BlockHeader(NamedTuple):
 class DecodedBlock(NamedTuple):
     """A verified block; `tokens`, `scales` and `payload` are zero-copy views into the decoded buffer.
 
-    `tokens` is empty when the block was encoded without token ids.
+    `tokens` is empty when the block was encoded without token ids, `scales` when it is not quantized.
     """
 
     header: BlockHeader
     tokens: memoryview
     scales: memoryview
     payload: memoryview
+    span: memoryview          # scales and payload together (adjacent): a quantized block's span, else the payload
 
 
 def _dtype_size(dtype: str) -> int:
@@ -148,7 +167,7 @@ def encode_into(out: memoryview | bytearray, fingerprint: bytes, block_hash: byt
     payload, scales = memoryview(payload).cast("B"), memoryview(scales).cast("B")
     token_section = _token_bytes(tokens) if tokens is not None else memoryview(b"")
     num_tokens = len(tokens) if tokens is not None else (layout.block_size if num_tokens is None else num_tokens)
-    _check_encode_args(fingerprint, block_hash, parent_hash, layout, dtype, num_tokens, len(payload))
+    _check_encode_args(fingerprint, block_hash, parent_hash, layout, dtype, num_tokens, len(payload), len(scales))
     flags = (FLAG_TOKENS if tokens is not None else 0) | (FLAG_PARENT if parent_hash is not None else 0)
     total = HEADER_SIZE + len(token_section) + len(scales) + len(payload)
     out = memoryview(out).cast("B")
@@ -177,13 +196,16 @@ def encode(fingerprint: bytes, block_hash: bytes, layout: BlockLayout, dtype: st
 
 
 def _check_encode_args(fingerprint: bytes, block_hash: bytes, parent_hash: bytes | None, layout: BlockLayout,
-                       dtype: str, num_tokens: int, payload_len: int) -> None:
+                       dtype: str, num_tokens: int, payload_len: int, scales_len: int) -> None:
     for name, value in (("fingerprint", fingerprint), ("block_hash", block_hash), ("parent_hash", parent_hash)):
         if value is not None and len(value) != HASH_BYTES:
             raise ValueError(f"{name} must be {HASH_BYTES} bytes, got {len(value)}")
     if payload_len != layout.payload_bytes(dtype):
         raise ValueError(f"payload is {payload_len} bytes, layout {layout} in {dtype} needs "
                          f"{layout.payload_bytes(dtype)}")
+    if scales_len != layout.scale_bytes(dtype):
+        raise ValueError(f"scales are {scales_len} bytes, layout {layout} in {dtype} needs {layout.scale_bytes(dtype)}"
+                         f" (float32 per layer, K/V and kv head when quantized, none otherwise)")
     if not 0 <= num_tokens <= layout.block_size:
         raise ValueError(f"num_tokens must be in [0, {layout.block_size}], got {num_tokens}")
 
@@ -238,7 +260,7 @@ def decode(buf: bytes | memoryview, expected_fingerprint: bytes, expected_hash: 
     payload = buf[scales_end:scales_end + header.payload_len]
     if _checksum(buf[HEADER_SIZE:header.encoded_len]) != header.checksum:
         raise CorruptBlock("payload_checksum", "token, scale or payload bytes do not match their checksum")
-    return DecodedBlock(header, tokens.cast("I"), scales, payload)
+    return DecodedBlock(header, tokens.cast("I"), scales, payload, buf[tokens_end:scales_end + header.payload_len])
 
 
 verify = decode
@@ -254,6 +276,9 @@ def read_tokens(buf: bytes | memoryview, header: BlockHeader) -> list[int]:
 def _check_lengths(header: BlockHeader, available: int) -> None:
     if header.payload_len != header.layout.payload_bytes(header.dtype):
         raise CorruptBlock("length", f"payload length {header.payload_len} does not fit layout {header.layout}")
+    if header.scales_len != header.layout.scale_bytes(header.dtype):
+        raise CorruptBlock("length", f"scales length {header.scales_len} does not fit layout {header.layout} in "
+                                     f"{header.dtype} ({header.layout.scale_bytes(header.dtype)} bytes)")
     if header.num_tokens > header.layout.block_size:
         raise CorruptBlock("length", f"token count {header.num_tokens} exceeds block size")
     if available < header.encoded_len:

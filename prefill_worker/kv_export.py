@@ -18,7 +18,7 @@ from kvstore.transfer import TransferAgent
 from strata.v1 import common_pb2
 from worker_common.engine_setup import EngineBundle
 from worker_common.handoff_pool import HandoffPool
-from worker_common.kv_blocks import encode_block, read_device_payloads
+from worker_common.kv_blocks import encode_block, read_device_payloads, zero_unused_slots
 from worker_common.leases import LeaseTable
 
 log = logging.getLogger(__name__)
@@ -72,9 +72,7 @@ class KvExporter:
             return None
         if pinned.view is not None:
             payload = read_device_payloads(self.bundle, [block_id])[0]
-            layers, kv = self.bundle.block_shape[:2]
-            payload.reshape(layers, kv, self.bundle.block_size, -1)[:, :, len(tokens):] = 0  # unused slots: zeros,
-            # not whatever request held the block before
+            zero_unused_slots(self.bundle, payload, len(tokens))  # not whatever request held the block before
             length = encode_block(pinned.view, self.bundle, fingerprint, tail_hash, hashes[-1] if hashes else None,
                                   tokens, payload)
             self.pool.commit(pinned.slot, tail_hash, length)

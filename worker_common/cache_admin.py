@@ -52,7 +52,7 @@ class CacheAdmin:
     def __init__(self, worker_id: str, loop: EngineLoop, store: TieredStore, events: WorkerEvents) -> None:
         self.worker_id, self.loop, self.store, self.events = worker_id, loop, store, events
         bundle = loop.bundle
-        self.block_bytes = bundle.layout.payload_bytes(bundle.kv_dtype)
+        self.block_bytes = bundle.span_bytes
         self.encoded_bytes = slot_bytes(bundle)          # one encoded block of this worker's namespace
         self.tiers = (DEVICE, *store.stats().keys())     # fastest first
 

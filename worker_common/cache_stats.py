@@ -38,7 +38,7 @@ def device_tier_stats(bundle: EngineBundle) -> common_pb2.CacheTierStats:
     """Read from any thread: plain ints the engine thread updates (a snapshot may be one step old)."""
     manager = bundle.engine.block_manager
     pool, prefix = manager.pool, manager.stats
-    block_bytes = bundle.layout.payload_bytes(bundle.kv_dtype)
+    block_bytes = bundle.span_bytes
     hashed = sum(1 for h in list(pool.block_hashes) if h is not None)
     holding = pool.num_used_blocks + pool.num_cached_free_blocks
     return common_pb2.CacheTierStats(

@@ -2,7 +2,11 @@
 
 The block hash function and the namespace root come from `kvstore.hashing` and are injected into the engine
 (DESIGN §1, §3): `engine` never imports `kvstore`. The namespace is `strata.llm.kv_namespace` (model fingerprint,
-KV layout, dtype), so workers and the offline `LLM` agree on block identity exactly when blocks are interchangeable.
+KV layout, the KV cache's storage dtype), so workers and the offline `LLM` agree on block identity exactly when
+blocks are interchangeable: fp8, int8 and model-dtype blocks never share a hash.
+
+What the bridge moves per block is the engine's block span (`runner.read_blocks`): the values in the model dtype,
+or, for a quantized cache, `scales | values` as uint8, which is the codec's scales section followed by its payload.
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ class EngineBundle:
     engine: LLMEngine
     namespace: Namespace         # salt-free; `fingerprint_for(salt)` gives a tenant's root
     layout: codec.BlockLayout
-    kv_dtype: str
+    kv_dtype: str                # the KV cache's storage dtype (the codec's dtype): model dtype, float8_e4m3fn, int8
     max_model_len: int
     # The device tier's KV-event sink (`worker_common.kv_events.DeviceEvents`): blocks the worker installs itself
     # (pulled or loaded KV) are announced through it, as the block manager announces the blocks it computes.
@@ -47,12 +51,23 @@ class EngineBundle:
 
     @property
     def block_shape(self) -> tuple[int, ...]:
-        """`[num_layers, 2, block_size, kv_heads, head_dim]`."""
+        """One block as the engine reads and writes it: `[num_layers, 2, block_size, kv_heads, head_dim]`, or
+        `[span]` bytes (scales then values) when the KV is quantized."""
         return tuple(self.runner.kv_cache.shape[1:])
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        """The dtype of `block_shape` tensors: the model dtype, or uint8 when quantized."""
         return self.runner.kv_cache.dtype
+
+    @property
+    def quantized(self) -> bool:
+        return self.layout.scale_bytes(self.kv_dtype) > 0
+
+    @property
+    def span_bytes(self) -> int:
+        """Bytes of one block span: the codec's scales and payload sections together."""
+        return self.layout.span_bytes(self.kv_dtype)
 
 
 def build_engine(config: WorkerConfig, on_block_stored: Callable | None = None,
@@ -60,27 +75,38 @@ def build_engine(config: WorkerConfig, on_block_stored: Callable | None = None,
     return build_engine_from(config.model, config.dtype, config.block_size, config.num_blocks, config.max_num_seqs,
                              config.max_num_batched_tokens, config.max_model_len,
                              enforce_eager=True if config.enforce_eager else None, on_block_stored=on_block_stored,
-                             on_block_removed=on_block_removed)
+                             on_block_removed=on_block_removed,
+                             kv_cache_dtype=getattr(config, "kv_cache_dtype", "auto"),
+                             quantization=getattr(config, "quantization", None),
+                             quant_group_size=getattr(config, "quant_group_size", 128))
 
 
 def build_engine_from(model: str, dtype: str = "float32", block_size: int = 16, num_blocks: int = 1024,
                       max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
-                      max_model_len: int = 2048, *, enforce_eager: bool | None = None, engine_text: bool = False, on_block_stored: Callable | None = None,
-                      on_block_removed: Callable | None = None) -> EngineBundle:
+                      max_model_len: int = 2048, *, enforce_eager: bool | None = None, engine_text: bool = False,
+                      on_block_stored: Callable | None = None, on_block_removed: Callable | None = None,
+                      kv_cache_dtype: str = "auto", quantization: str | None = None,
+                      quant_group_size: int = 128) -> EngineBundle:
     """`engine_text=True` lets the engine detokenize (the single-engine reference); workers leave it False.
-    `on_block_stored` / `on_block_removed` are the block manager's device-tier hooks (the worker's KV events)."""
-    cache_config = CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=True)
+    `on_block_stored` / `on_block_removed` are the block manager's device-tier hooks (the worker's KV events).
+    `kv_cache_dtype`: auto (the model dtype), fp8 or int8 (`CacheConfig`); `quantization`, `quant_group_size`:
+    the weights' (`ModelConfig`)."""
+    cache_config = CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=True,
+                               kv_cache_dtype=kv_cache_dtype)
     scheduler_config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                        max_model_len=max_model_len)
-    runner = ModelRunner(ModelConfig(model, dtype=dtype, enforce_eager=enforce_eager), cache_config,
-                         max_num_seqs=max_num_seqs)
+    model_config = ModelConfig(model, dtype=dtype, enforce_eager=enforce_eager, quantization=quantization,
+                               quant_group_size=quant_group_size)
+    runner = ModelRunner(model_config, cache_config, max_num_seqs=max_num_seqs)
     spec = runner.spec
     layout = codec.BlockLayout(spec.num_layers, block_size, spec.num_kv_heads, spec.head_dim)
-    namespace = kv_namespace(runner, cache_config, dtype)  # the one definition `strata.llm` uses too
+    kv_dtype = runner.kv_dtype      # the storage dtype: `kv_storage_dtype(kv_cache_dtype, dtype)`
+    namespace = kv_namespace(runner, cache_config, kv_dtype)  # the one definition `strata.llm` uses too
     # NOTE: tokenizer=None: the workers detokenize themselves (worker_common.text_stream), because a decode
     # worker's text must continue after a first token another process sampled.
     tokenizer = runner.tokenizer if engine_text else None
     engine = LLMEngine(runner, tokenizer, cache_config, scheduler_config, hash_block, namespace.fingerprint(),
                        runner.tokenizer.eos_token_ids, on_block_stored=on_block_stored,
                        on_block_removed=on_block_removed)
-    return EngineBundle(runner, engine, namespace, layout, dtype, max_model_len)
+    assert layout.span_bytes(kv_dtype) == runner.block_bytes, "the codec's sections must be the engine's span"
+    return EngineBundle(runner, engine, namespace, layout, kv_dtype, max_model_len)

@@ -3,6 +3,10 @@
     device cache --read_device_payloads--> raw payloads --codec.encode_into--> store / hand-off slots
     transfer / store bytes --codec.decode (verified)--> payload views --install_blocks--> device cache
 
+A "payload" here is one block's span as the engine keeps it: the K/V values in the model dtype, or for a quantized
+(fp8/int8) cache `scales | values` (engine/kv_cache.py), which the codec carries as its scales section followed by
+its payload section, adjacent in the encoded block; so the span is one view of a verified block, never a copy.
+
 Loading a cached prefix from the store tiers into the device cache is `worker_common/prefix_load.py`.
 
 `install_blocks` makes pulled KV look computed: each block is written into a fresh device block, registered in the
@@ -35,27 +39,41 @@ class InstallResult(NamedTuple):
 
 def slot_bytes(bundle: EngineBundle) -> int:
     """Bytes of one encoded block that carries its token ids."""
-    return codec.encoded_size(bundle.layout.payload_bytes(bundle.kv_dtype), 0, bundle.block_size)
+    layout, dtype = bundle.layout, bundle.kv_dtype
+    return codec.encoded_size(layout.payload_bytes(dtype), layout.scale_bytes(dtype), bundle.block_size)
 
 
 def read_device_payloads(bundle: EngineBundle, block_ids: Sequence[int]) -> np.ndarray:
-    """Raw KV of device blocks, `[n, payload_bytes]` uint8 (one batched gather)."""
-    data = bundle.runner.read_blocks(list(block_ids))  # [n, layers, 2, block_size, kv_heads, head_dim]
+    """Raw KV spans of device blocks, `[n, span_bytes]` uint8 (one batched gather)."""
+    data = bundle.runner.read_blocks(list(block_ids))  # [n, layers, 2, block_size, kv_heads, head_dim] or [n, span]
     return data.contiguous().view(torch.uint8).reshape(len(block_ids), -1).cpu().numpy()
 
 
 def encode_block(out: memoryview, bundle: EngineBundle, fingerprint: bytes, block_hash: bytes,
                  parent_hash: bytes | None, tokens: Sequence[int], payload: np.ndarray) -> int:
-    return codec.encode_into(out, fingerprint, block_hash, bundle.layout, bundle.kv_dtype, memoryview(payload),
-                             tokens=tokens, parent_hash=parent_hash)
+    """Encode one block span (`payload`, uint8 `[span_bytes]`): its scales, if any, go in the scales section."""
+    span = memoryview(np.ascontiguousarray(payload)).cast("B")
+    cut = bundle.layout.scale_bytes(bundle.kv_dtype)
+    return codec.encode_into(out, fingerprint, block_hash, bundle.layout, bundle.kv_dtype, span[cut:],
+                             scales=span[:cut], tokens=tokens, parent_hash=parent_hash)
 
 
 def verified_payload(bundle: EngineBundle, data: memoryview, fingerprint: bytes, block_hash: bytes) -> memoryview:
-    """The payload of an encoded block after every codec check; raises `codec.CorruptBlock`."""
+    """The span (scales and payload sections) of an encoded block after every codec check, a view of `data`;
+    raises `codec.CorruptBlock` (a block of another KV dtype is one: it is never installed)."""
     block = codec.decode(data, fingerprint, block_hash, bundle.layout)
     if block.header.dtype != bundle.kv_dtype:
         raise codec.CorruptBlock("dtype", f"block is {block.header.dtype}, this worker's KV is {bundle.kv_dtype}")
-    return block.payload
+    return block.span
+
+
+def zero_unused_slots(bundle: EngineBundle, payload: np.ndarray, num_tokens: int) -> None:
+    """Zero the K/V values of slots `num_tokens..block_size-1` of one block span (uint8 `[span_bytes]`), in place:
+    a partial block must not carry whatever request held the device block before. (A quantized block's scales
+    stay: they cover only rows its own writes put there, and a fresh block's other slots are zeros already.)"""
+    layers, bs = bundle.layout.num_layers, bundle.block_size
+    values = payload[bundle.layout.scale_bytes(bundle.kv_dtype):]
+    values.reshape(layers, 2, bs, -1)[:, :, num_tokens:] = 0
 
 
 def device_prefix_blocks(bundle: EngineBundle, hashes: Sequence[bytes]) -> int:
@@ -116,8 +134,9 @@ def _announce(bundle: EngineBundle, hashes: Sequence[bytes], start: int, block_i
 
 
 def payload_tensor(bundle: EngineBundle, payloads: Sequence[memoryview]) -> torch.Tensor:
-    """Verified block payloads as one cache-shaped tensor `[n, layers, 2, block_size, kv_heads, head_dim]`."""
-    size = bundle.layout.payload_bytes(bundle.kv_dtype)
+    """Verified block spans as one cache-shaped tensor `[n, *block_shape]` (`[n, layers, 2, block_size, kv_heads,
+    head_dim]`, or uint8 `[n, span]` when quantized)."""
+    size = bundle.span_bytes
     buf = bytearray(size * len(payloads))
     for i, payload in enumerate(payloads):
         buf[i * size:(i + 1) * size] = payload

@@ -11,7 +11,11 @@
     installer.finish(), release()      -> the chunks' own pins dropped, the staging rows back to the pool
 
 An install writes all its rows with one `index_copy_` from a strided view of the staging rows
-(`StagedPayloads.gather`), no per-block copies in Python.
+(`StagedPayloads.gather`), no per-block copies in Python. What it copies from each row is the block's span: the
+codec's scales section (empty unless the KV is quantized) and its payload, adjacent:
+
+    row:  | header | tokens | scales | payload | (slack) |
+                            ^ offset: where every row's span starts (one layout for the whole run)
 """
 from __future__ import annotations
 
@@ -60,16 +64,16 @@ class StagedPayloads(Sequence):
         return (self[i] for i in range(len(self)))
 
     def _rows(self) -> torch.Tensor:
-        size = self._bundle.layout.payload_bytes(self._bundle.kv_dtype)
-        return self._staging[:self._count, self._offset:self._offset + size]  # uint8 [count, payload_bytes]
+        size = self._bundle.span_bytes
+        return self._staging[:self._count, self._offset:self._offset + size]  # uint8 [count, span_bytes]
 
     def gather(self, indices: Sequence[int]) -> torch.Tensor:
-        """Cache-shaped payloads `[n, layers, 2, block_size, kv_heads, head_dim]` of items `indices`: a view of the
-        staging rows when they are consecutive (the usual case: no copy before the cache's own), else one copy."""
+        """Cache-shaped payloads `[n, *block_shape]` of items `indices`: a view of the staging rows when they are
+        consecutive (the usual case: no copy before the cache's own), else one copy."""
         rows = [i - self._lead for i in indices]
         start = rows[0] if rows else 0
         if rows == list(range(start, start + len(rows))):
-            picked = self._rows()[start:start + len(rows)]  # uint8 [n, payload_bytes], rows strided by a slot
+            picked = self._rows()[start:start + len(rows)]  # uint8 [n, span_bytes], rows strided by a slot
         else:
             picked = self._rows().index_select(0, torch.as_tensor(rows, dtype=torch.long))
         return picked.view(self._bundle.torch_dtype).view(len(indices), *self._bundle.block_shape)
@@ -184,11 +188,13 @@ def load_from_store(bundle: EngineBundle, store: TieredStore, hashes: Sequence[b
 
 
 def _payload_offset(block: codec.DecodedBlock, row: np.ndarray) -> int:
-    return np.frombuffer(block.payload, dtype=np.uint8).ctypes.data - row.ctypes.data
+    """Where the block's span (its scales section, then the payload) starts in its staging row."""
+    return np.frombuffer(block.span, dtype=np.uint8).ctypes.data - row.ctypes.data
 
 
 def _uniform_run(bundle: EngineBundle, blocks: list, rows: np.ndarray, offset: int | None) -> int:
-    """Leading blocks in this worker's dtype whose payload sits at `offset` in its row (one layout for all)."""
+    """Leading blocks in this worker's dtype whose span sits at `offset` in its row (one layout for all). A block of
+    another KV dtype ends the run: it is never installed, and its tokens are recomputed."""
     for i, block in enumerate(blocks):
         if block.header.dtype != bundle.kv_dtype or _payload_offset(block, rows[i]) != offset:
             return i

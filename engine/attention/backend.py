@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 import torch
 
+from engine.attention.kv_quant import QuantizedLayerKV
 from engine.batch import StepBatch
 
 
@@ -24,7 +25,13 @@ class AttentionBackend(ABC):
       `[tokens, num_heads, head_dim]` in the same row order. Query at position p sees keys at positions <= p of
       its own sequence only; with `window=w` only those in (p - w, p] (Mistral's sliding window: w keys, its own
       included), in every path (fresh or chunked prefill, prefix hit, decode). It writes no cache slot other than
-      the step's own. A backend that cannot honour a window raises; it never attends to the full history instead.
+      the step's own (a quantized cache: no block other than those, see below). A backend that cannot honour a window raises; it never attends to the full history instead.
+    - The layer cache is either `(K, V)`, each `[num_blocks, block_size, Hkv, D]` in the model dtype, or a
+      `QuantizedLayerKV(k, v, k_scale, v_scale)` (kv_quant.py): fp8 e4m3 / int8 values of that shape plus float32
+      scales `[num_blocks, Hkv]`, all strided views of one uint8 block-major span. A quantized cache is written
+      with kv_quant's write rule (per (block, head) scale that only grows within a block; a block's first write
+      zeroes its other slots) and read dequantized (q.float() * scale) on every path; a backend that cannot
+      read one raises.
     - A backend may keep state derived from the cache across steps (torch: the running decode batch's K/V, see
       decode_buffer.py); `build_metadata` is then called once per step, before that step's `forward` calls.
       `invalidate` drops such state; callers call it after writing the cache outside `forward` or after a step
@@ -40,11 +47,11 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                cache: tuple[torch.Tensor, torch.Tensor], meta: Any, scale: float,
+                cache: tuple[torch.Tensor, torch.Tensor] | QuantizedLayerKV, meta: Any, scale: float,
                 window: int | None = None) -> torch.Tensor:
         """q `[T, Hq, D]`, k/v `[T, Hkv, D]` (may be strided views), cache: this layer's (K, V) views, each
-        `[num_blocks, block_size, Hkv, D]`, of the block-major cache; `window`: this layer's sliding window
-        (None: full causal attention)."""
+        `[num_blocks, block_size, Hkv, D]`, of the block-major cache, or its `QuantizedLayerKV`; `window`: this
+        layer's sliding window (None: full causal attention)."""
 
     def invalidate(self) -> None:
         """The cache was written outside `forward` (e.g. blocks copied in): drop anything derived from it."""

@@ -13,6 +13,11 @@ two K/V gathers were ~0.7 ms of a ~4 ms layer).
     A sliding-window layer keeps every position too; its step mask also hides positions <= start_pos - window
     (torch_paged.WindowMasks), so the buffer's layout and continuation rule do not depend on windows.
 
+A quantized cache (fp8/int8 with per-block scales) is buffered dequantized, in the model dtype. Its write rule
+re-quantizes a block's older slots when the block's scale grows, so a continuing step re-copies each row's whole
+current block (block_size positions, dequantized) instead of appending one token; the buffer stays exact, and no
+other block changes (torch_paged._copy_current_blocks).
+
 NOTE: the cost is memory: a second, padded copy of the running batch's K/V for every layer (rows x capacity
 positions, capacity = the longest context rounded up to 256), kept between steps and never shrunk. For the
 bundled model at 32 sequences of <= 256 tokens that is 32 MiB; a memory budget should count it.
@@ -71,11 +76,13 @@ class DecodeBuffer:
         last, self._last = self._last, rows
         return not grow and last is not None and last.continued_by(rows)
 
-    def layer(self, cache_view: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(K, V) buffers `[rows, Hkv, capacity, D]` of the layer whose cache view is `cache_view`."""
+    def layer(self, cache_view: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) buffers `[rows, Hkv, capacity, D]` in `dtype` (the model's) of the layer whose K cache view is
+        `cache_view`."""
         key = cache_view.data_ptr()
         if key not in self._layers:
             _, _, hkv, dim = cache_view.shape
             # NOTE: zeros, not empty: masked positions still enter q.k, and garbage could be NaN.
-            self._layers[key] = tuple(cache_view.new_zeros(self.rows, hkv, self.capacity, dim) for _ in range(2))
+            self._layers[key] = tuple(cache_view.new_zeros(self.rows, hkv, self.capacity, dim, dtype=dtype)
+                                      for _ in range(2))
         return self._layers[key]

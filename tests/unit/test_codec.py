@@ -18,10 +18,19 @@ H0, H1 = hash_blocks(NS, TOKENS, 4)
 PAYLOAD = bytes((i * 7) % 251 for i in range(LAYOUT.payload_bytes("float16")))
 
 
+SCALES = struct.pack("<8f", *[0.5 + i for i in range(8)])     # float32 [layers 2, K/V 2, kv_heads 2]
+Q_PAYLOAD = bytes((i * 5) % 256 for i in range(LAYOUT.payload_bytes("int8")))
+
+
 def make_block(**options) -> bytearray:
     options.setdefault("tokens", TOKENS[4:])
     options.setdefault("parent_hash", H0)
     return bytearray(codec.encode(FP, H1, LAYOUT, "float16", PAYLOAD, **options))
+
+
+def make_quantized(dtype: str) -> bytearray:
+    return bytearray(codec.encode(FP, H1, LAYOUT, dtype, Q_PAYLOAD, scales=SCALES, tokens=TOKENS[4:],
+                                  parent_hash=H0))
 
 
 def reseal(buf: bytearray) -> bytearray:
@@ -38,16 +47,51 @@ def expect_corrupt(buf, reason: str, **kwargs) -> None:
 
 
 def test_round_trip_returns_every_field_and_zero_copy_views():
-    buf = make_block(scales=b"\x01\x02\x03\x04")
+    buf = make_block()
     block = codec.decode(buf, FP, H1, LAYOUT)
     assert block.header.fingerprint == FP and block.header.block_hash == H1 and block.header.parent_hash == H0
     assert block.header.layout == LAYOUT and block.header.dtype == "float16" and block.header.num_tokens == 4
     assert list(block.tokens) == TOKENS[4:]
-    assert bytes(block.scales) == b"\x01\x02\x03\x04"
-    assert bytes(block.payload) == PAYLOAD
-    assert len(buf) == codec.encoded_size(len(PAYLOAD), 4, 4) == block.header.encoded_len
+    assert bytes(block.scales) == b"" and block.header.scales_len == 0
+    assert bytes(block.payload) == PAYLOAD == bytes(block.span)
+    assert len(buf) == codec.encoded_size(len(PAYLOAD), 0, 4) == block.header.encoded_len
     buf[-1] ^= 0xFF  # the payload view aliases the buffer: no copy was made
     assert block.payload[-1] == buf[-1]
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "int8"])
+def test_quantized_block_carries_its_scales_right_before_the_payload(dtype):
+    """A quantized block's scales and payload sections are one span `scales | values`, as the engine keeps it."""
+    buf = make_quantized(dtype)
+    block = codec.decode(buf, FP, H1, LAYOUT)
+    assert block.header.dtype == dtype and block.header.scales_len == LAYOUT.scale_bytes(dtype) == 2 * 2 * 2 * 4
+    assert bytes(block.scales) == SCALES and bytes(block.payload) == Q_PAYLOAD
+    assert bytes(block.span) == SCALES + Q_PAYLOAD and len(block.span) == LAYOUT.span_bytes(dtype)
+    assert len(buf) == codec.encoded_size(len(Q_PAYLOAD), len(SCALES), 4) == block.header.encoded_len
+
+
+def test_scale_bytes_only_for_quantized_dtypes():
+    assert LAYOUT.scale_bytes("float8_e4m3fn") == LAYOUT.scale_bytes("int8") == 2 * 2 * 2 * 4
+    assert [LAYOUT.scale_bytes(d) for d in ("float32", "bfloat16", "float16", "float8_e5m2", "uint8")] == [0] * 5
+    assert LAYOUT.span_bytes("int8") == 32 + LAYOUT.payload_bytes("int8") == 32 + 2 * 2 * 4 * 2 * 8
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        LAYOUT.scale_bytes("float64")
+
+
+@pytest.mark.parametrize("dtype, scales", [("int8", b""), ("int8", SCALES[:-4]), ("float8_e4m3fn", SCALES + b"\0" * 4),
+                                           ("float16", b"\x01\x02\x03\x04")])
+def test_encode_requires_exactly_the_scales_the_dtype_has(dtype, scales):
+    payload = Q_PAYLOAD if dtype != "float16" else PAYLOAD
+    with pytest.raises(ValueError, match=f"scales are {len(scales)} bytes"):
+        codec.encode(FP, H1, LAYOUT, dtype, payload, scales=scales)
+
+
+def test_scales_length_that_does_not_fit_the_dtype_is_a_length_error():
+    """A header whose scales length is not the dtype's (edited, or another dtype of the same width) is refused."""
+    short = make_quantized("int8")
+    expect_corrupt(reseal(_set(short, 80, "<I", len(SCALES) - 4)), "length")
+    as_uint8 = make_quantized("int8")   # uint8 values are as wide as int8 but carry no scales
+    expect_corrupt(reseal(_set(as_uint8, 8, "<B", codec.DTYPE_CODES["uint8"])), "length")
 
 
 def test_round_trip_without_tokens_or_parent():
@@ -134,8 +178,8 @@ def test_token_count_above_block_size():
 
 @pytest.mark.parametrize("where", ["token", "scale", "payload_first", "payload_last"])
 def test_flipped_bit_in_any_section_fails_the_checksum(where):
-    buf = make_block(scales=b"\x05" * 8)
-    offset = {"token": HEADER_SIZE, "scale": HEADER_SIZE + 16, "payload_first": HEADER_SIZE + 24,
+    buf = make_quantized("float8_e4m3fn")
+    offset = {"token": HEADER_SIZE, "scale": HEADER_SIZE + 16, "payload_first": HEADER_SIZE + 16 + len(SCALES),
               "payload_last": len(buf) - 1}[where]
     buf[offset] ^= 0x10
     expect_corrupt(buf, "payload_checksum")

@@ -1,7 +1,8 @@
 """The compiled decode step (engine/compiled_decode.py) equals the eager one: logits within 1e-4 (fp32) and identical
 greedy tokens on every architecture (Mistral/Mixtral with a sliding window shorter than the context), through
 batch padding, block borders and growing contexts; it never recompiles once every bucket has run; and a second
-process loads the compiled code from the disk cache instead of compiling again.
+process loads the compiled code from the disk cache instead of compiling again. With an fp8 / int8 KV cache its
+in-graph write rule writes exactly the bytes of the reference (engine/attention/kv_quant.py).
 
 Each compile takes seconds to tens of seconds on a CPU, so each architecture compiles only the batch-1 graph; the
 graphs for the buckets from 2 up are checked on two MoE architectures (one with a shared expert).
@@ -41,8 +42,8 @@ def checkpoint(tiny_checkpoint, tmp_path_factory):
     return get
 
 
-def runner_pair(path, max_num_seqs: int) -> tuple[ModelRunner, ModelRunner]:
-    cache = CacheConfig(block_size=BLOCK, num_blocks=160)
+def runner_pair(path, max_num_seqs: int, kv_cache_dtype: str = "auto") -> tuple[ModelRunner, ModelRunner]:
+    cache = CacheConfig(block_size=BLOCK, num_blocks=160, kv_cache_dtype=kv_cache_dtype)
     compiled = ModelRunner(ModelConfig(str(path), enforce_eager=False), cache, max_num_seqs=max_num_seqs,
                            log=lambda line: None)
     eager = ModelRunner(ModelConfig(str(path), enforce_eager=True), cache, max_num_seqs=max_num_seqs)
@@ -54,7 +55,8 @@ def tokens(n: int, seed: int) -> list[int]:
     return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def decode_both(compiled: ModelRunner, eager: ModelRunner, prompts: list[list[int]], steps: int) -> None:
+def decode_both(compiled: ModelRunner, eager: ModelRunner, prompts: list[list[int]], steps: int,
+                atol: float = ATOL) -> None:
     """Prefill each prompt (eager on both: same KV), then `steps` decode steps of the whole batch on both runners,
     feeding each the same (eager-argmax) tokens; every step's logits must agree."""
     tables = [list(range(16 * i, 16 * (i + 1))) for i in range(len(prompts))]
@@ -69,7 +71,7 @@ def decode_both(compiled: ModelRunner, eager: ModelRunner, prompts: list[list[in
         ours, ref = compiled.execute(batch), eager.execute(batch)
         assert ours.shape == ref.shape == (len(prompts), compiled.vocab_size) and ours.dtype == torch.float32
         diff = (ours - ref).abs().max().item()
-        assert diff <= ATOL, f"compiled vs eager logits differ by {diff:.2e}"
+        assert diff <= atol, f"compiled vs eager logits differ by {diff:.2e}"
         assert ours.argmax(-1).tolist() == ref.argmax(-1).tolist()
         nexts = ref.argmax(-1).tolist()
         lengths = [n + 1 for n in lengths]
@@ -96,6 +98,49 @@ def test_every_bucket_from_2_shares_one_graph_and_never_recompiles(checkpoint, n
         prompts = [tokens(5 + 3 * i, seed=10 * size + i) for i in range(size)]
         decode_both(compiled, eager, prompts, steps)
     assert compiled.compiled.compilations == after_warmup, "a steady-state step recompiled"
+
+
+# A quantized cache: the graph's K/V differ from eager ones in the last float bits (other kernels), which can move
+# a value across a quantization rounding boundary (one fp8 / int8 step in one element); measured ~5e-6 here.
+QUANT_ATOL = 2e-3
+
+
+@pytest.mark.parametrize("name, kv_cache_dtype", [("mistral", "fp8"), ("llama", "int8")])
+def test_compiled_decode_with_a_quantized_cache_equals_eager(checkpoint, name, kv_cache_dtype):
+    """Batch 1 and the symbolic batch (3 rows padded to 4), over block borders (fresh blocks, growing scales) and
+    Mistral's 5-token window."""
+    compiled, eager = runner_pair(checkpoint(name).path, max_num_seqs=4, kv_cache_dtype=kv_cache_dtype)
+    assert compiled.cache.quantized and compiled.compiled.compilations == 2
+    decode_both(compiled, eager, [tokens(7, seed=2)], steps=9, atol=QUANT_ATOL)
+    decode_both(compiled, eager, [tokens(n, seed=n) for n in (3, 9, 6)], steps=9, atol=QUANT_ATOL)
+    assert compiled.compiled.compilations == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8])
+def test_the_graph_write_rule_writes_the_reference_bytes(dtype):
+    """Given the same rows, the compiled write (QuantizedGraphAttention._write on the cache's flat bytes) and the
+    torch reference (kv_quant.write) leave byte-identical caches: fresh blocks, appends that grow the scales (rows
+    growing in size every step) and appends that do not."""
+    from engine.attention import kv_quant
+    from engine.compiled_decode import QuantizedGraphAttention
+    from engine.kv_cache import KVCache
+
+    ref, ours = (KVCache(12, 2, BLOCK, 2, 16, dtype, torch.device("cpu")) for _ in range(2))
+    ours.tensor.copy_(torch.randint(0, 256, ours.tensor.shape, generator=torch.Generator().manual_seed(0),
+                                    dtype=torch.uint8))      # stale bytes: fresh blocks must not keep them
+    ref.tensor.copy_(ours.tensor)
+    write = torch.compile(QuantizedGraphAttention(ours)._write, fullgraph=True)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(3 * BLOCK):
+        blocks = torch.tensor([3, 7, 9]) + step // BLOCK
+        offsets = torch.full((3,), step % BLOCK)
+        x = torch.randn(3, 2, 16, generator=gen) * (1 + step % 5)
+        for layer in range(2):
+            for i in range(2):
+                views = ref.layers[layer]
+                kv_quant.write(x, views[i], views[2 + i], kv_quant.write_plan(blocks, offsets))
+                write(ours.tensor.view(-1), 2 * layer + i, x, blocks, offsets)
+        assert torch.equal(ours.tensor, ref.tensor), f"step {step}"
 
 
 def test_batch_buckets():
