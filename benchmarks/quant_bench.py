@@ -68,15 +68,14 @@ import gc
 import itertools
 import json
 import math
-import os
 import random
 import statistics
 import sys
 import tempfile
 import time
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -85,12 +84,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import quant_fixtures as fixtures  # noqa: E402
 from engine_throughput import copy_bandwidth  # noqa: E402
+import ttft_tiers  # noqa: E402
 from engine.checkpoint import load_checkpoint  # noqa: E402
 from engine.config import kv_storage_dtype  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from kvstore import codec  # noqa: E402
 from strata.client import StrataClient  # noqa: E402
-from strata.launcher import LocalLauncher, ServeConfig  # noqa: E402
+from strata.launcher import ServeConfig  # noqa: E402
 from strata.llm import LLM  # noqa: E402
 from strata.paths import resolve_model  # noqa: E402
 
@@ -415,20 +415,12 @@ def report_decode(d: dict, args) -> None:
 KV_SIDES = {"bf16": "auto", "fp8": "fp8"}
 
 
-@contextmanager
-def serving(kv_cache_dtype: str, threads: int, log_path: Path) -> Iterator[StrataClient]:
+def serving(kv_cache_dtype: str, threads: int, log_path: Path):
     """Router + 1 prefill + 1 decode worker on free ports, bundled model in bfloat16, KV over tcp."""
     dtype = ("--dtype", "bfloat16")   # the router too: the model dtype is part of the block namespace
     config = ServeConfig(prefill=1, decode=1, grpc_port=0, http_port=-1, transfer="tcp", enforce_eager=True,
                          kv_cache_dtype=kv_cache_dtype, disk_tier=False, worker_args=dtype, router_args=dtype)
-    env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-    with log_path.open("w") as log:
-        launcher = LocalLauncher(config, log=log, env={**os.environ, **env})
-        info = launcher.start()
-        try:
-            yield StrataClient(info.grpc_address, timeout_s=300.0)
-        finally:
-            launcher.stop()
+    return ttft_tiers.serving(config, {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}, log_path)
 
 
 def timed_request(client: StrataClient, prompt: list[int]) -> dict:
