@@ -93,7 +93,11 @@ def _requantize(raw: torch.Tensor, dtype: torch.dtype, plan: WritePlan, old: tor
     Only blocks that are fresh or whose scale grows are touched: for the others old / new == 1 and the rule is
     exactly the identity, which is what skipping them gives (a decode step usually skips every block; this host
     check is the price, and the reason a steady decode costs one row write per layer)."""
-    changed = plan.fresh[:, None] | (new != old)                                          # [U, Hkv]
+    # NOTE: a fresh block this call writes whole (a prefill's full blocks) keeps no slot: skipping it gives the
+    # same bytes, and a long prefill then re-quantizes at most its last block instead of all of them
+    written = torch.bincount(plan.inverse, minlength=plan.unique.shape[0])                # [U] rows per block
+    whole = plan.fresh & (written == raw.shape[1])                                        # [U]
+    changed = (plan.fresh & ~whole)[:, None] | (~plan.fresh[:, None] & (new != old))      # [U, Hkv]
     picked = changed.any(1).nonzero().flatten()                                           # [P]
     if picked.numel() == 0:
         return picked
