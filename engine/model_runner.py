@@ -52,9 +52,11 @@ class ModelRunner:
         self.fingerprint, self.generation_config = loaded.fingerprint, loaded.generation_config
         self.device, self.dtype = torch.device(model_config.device), torch_dtype(model_config.dtype)
         self.block_size = cache_config.block_size
-        self.attention = get_attention_backend(attention)
         # the storage dtype: the model's ("auto"), or float8_e4m3fn / int8 with per-block, per-head scales
         self.kv_dtype = kv_storage_dtype(cache_config.kv_cache_dtype, model_config.dtype)
+        if attention == "torch" and self.device.type == "cuda" and cache_config.kv_cache_dtype != "auto":
+            attention = "triton"        # the quantized KV write and decode attention as Triton kernels
+        self.attention = get_attention_backend(attention)
         self.cache = KVCache(cache_config.num_blocks, self.spec.num_layers, cache_config.block_size,
                              self.spec.num_kv_heads, self.spec.head_dim, getattr(torch, self.kv_dtype), self.device)
         self.compiled: CompiledDecode | None = None

@@ -66,6 +66,8 @@ def register_attention_backend(name: str, factory: Callable[[], AttentionBackend
 
 def get_attention_backend(name: str = "torch") -> AttentionBackend:
     import engine.attention.torch_paged  # noqa: F401  (registers 'torch')
+    if name == "triton":
+        import engine.attention.triton_paged  # noqa: F401  (registers 'triton'; imports triton)
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend {name!r} is unknown; registered: {sorted(ATTENTION_BACKENDS)}")
     return ATTENTION_BACKENDS[name]()

@@ -196,14 +196,22 @@ class TorchPagedAttention(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 cache: tuple[torch.Tensor, torch.Tensor] | QuantizedLayerKV, meta: TorchPagedMetadata, scale: float,
                 window: int | None = None) -> torch.Tensor:
-        # NOTE: write first: decodes read their own token
-        requantized = None
+        requantized = self.write(k, v, cache, meta)      # NOTE: write first: decodes read their own token
+        return self.attend(q, k, v, cache, meta, scale, window, requantized)
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor] | QuantizedLayerKV,
+              meta: TorchPagedMetadata) -> torch.Tensor | None:
+        """The step's K/V into the cache; for a quantized cache, the blocks `[P]` whose older slots changed."""
         if isinstance(cache, QuantizedLayerKV):
-            requantized = kv_quant.write_kv(k, v, cache, meta.write_plan())    # [P] blocks whose older slots changed
-        else:
-            k_cache, v_cache = cache                               # each [num_blocks, bs, Hkv, D]
-            k_cache[meta.write_blocks, meta.write_offsets] = k
-            v_cache[meta.write_blocks, meta.write_offsets] = v
+            return kv_quant.write_kv(k, v, cache, meta.write_plan())
+        k_cache, v_cache = cache                                   # each [num_blocks, bs, Hkv, D]
+        k_cache[meta.write_blocks, meta.write_offsets] = k
+        v_cache[meta.write_blocks, meta.write_offsets] = v
+        return None
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, meta: TorchPagedMetadata,
+               scale: float, window: int | None, requantized: torch.Tensor | None) -> torch.Tensor:
+        """Attention over what the cache holds after `write` (`[T, Hq, D]`)."""
         masks = None if window is None else _window_masks(meta, window, q.device, q.dtype)
         decode_mask = meta.decode_mask if masks is None else masks.decode
         if not meta.prefills:
