@@ -1,7 +1,8 @@
 """`QuantizedMoE`: a MoE backend whose experts are quantized linears (one pair per expert, any scheme).
 
     eager      only the active experts: pairs sorted by expert, one quantized gate_up and down per active expert
-               (as `engine.moe.paths.loop`; a host sync for the per-expert counts)
+               (as `engine.moe.paths.loop`; a host sync for the per-expert counts); on CUDA, int4 and mxfp4
+               experts run as two grouped Triton GEMMs instead (moe_grouped.py: no host sync)
     compiled   sync-free with static shapes: every expert over every token, weighted 0 where not chosen
                (E/k times the FLOPs, and every expert's weights read once per step)
 
@@ -17,6 +18,7 @@ from torch import nn
 from engine.moe.backend import MoEBackend
 from engine.moe.paths import silu_and_mul
 from engine.quant.linear import QuantLinear, quantized_linear
+from engine.quant.moe_grouped import GroupedExperts
 from engine.quant.packed import QuantizedWeight
 
 
@@ -34,6 +36,7 @@ class QuantizedMoE(MoEBackend):
                                  f"[{up.out_features}, {up.in_features}] and [{down.out_features}, "
                                  f"{down.in_features}]")
         self.w13, self.w2 = nn.ModuleList(w13), nn.ModuleList(w2)
+        self.grouped = GroupedExperts.stack(w13, w2)      # CUDA int4 / mxfp4 experts; None elsewhere
 
     @property
     def num_experts(self) -> int:
@@ -46,6 +49,8 @@ class QuantizedMoE(MoEBackend):
         topk_weights = topk_weights.to(x.dtype)
         if torch.compiler.is_compiling():
             return self.forward_dense(x, topk_ids, topk_weights)
+        if self.grouped is not None:
+            return self.grouped.forward(x, topk_ids, topk_weights)
         return self.forward_active(x, topk_ids, topk_weights)
 
     def forward_active(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
