@@ -620,6 +620,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are reported")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: see the docstring)")
     parser.add_argument("--compiled", action="store_true", help="the compiled decode step (default: eager)")
+    parser.add_argument("--batches", default="1,16", help="decode batch sizes (comma-separated; 1 is needed for "
+                                                          "the targets)")
+    parser.add_argument("--shapes", default="dense,moe", help="decode shapes: dense, moe or both")
     parser.add_argument("--ttft-prompt", type=int, default=1984, help="prompt tokens of the TTFT requests")
     parser.add_argument("--ttft-rounds", type=int, default=7, help="TTFT rounds (one request per KV dtype each)")
     parser.add_argument("--quick", action="store_true", help="toy shapes, one round (CI smoke run)")
@@ -632,6 +635,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick:
         args.ppl_windows, args.greedy_prompts, args.greedy_tokens = 2, 4, 8
         args.decode_steps, args.rounds, args.ttft_prompt, args.ttft_rounds = 4, 1, 256, 1
+    args.batches = tuple(sorted({int(b) for b in args.batches.split(",") if b}))
+    args.shapes = [s for s in args.shapes.split(",") if s]
+    if not args.batches or min(args.batches) < 1:
+        parser.error(f"--batches must be positive integers, got {args.batches}")
+    if unknown := set(args.shapes) - {"dense", "moe"}:
+        parser.error(f"--shapes must be a subset of dense,moe, got {sorted(unknown)}")
     for name in ("rounds", "decode_steps", "ttft_rounds", "ttft_prompt"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -639,7 +648,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global BATCHES
     args = parse_args(argv)
+    BATCHES = args.batches
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
     result: dict = {"benchmark": "quant_bench", "threads": torch.get_num_threads(), "group_size": args.group_size,
@@ -651,6 +662,7 @@ def main(argv: list[str] | None = None) -> int:
     if "decode" in args.parts:
         shapes = {"dense": fixtures.DENSE_TOY if args.quick else fixtures.DENSE_06B,
                   "moe": fixtures.MOE_TOY if args.quick else fixtures.MOE_1B}
+        shapes = {key: shape for key, shape in shapes.items() if key in args.shapes}
         result["decode"] = {}
         with tempfile.TemporaryDirectory(prefix="quant-bench-") as scratch:
             for key, shape in shapes.items():
