@@ -13,13 +13,11 @@ from engine.checkpoint import load_checkpoint
 from engine.config import CacheConfig, kv_storage_dtype, quantization_label
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
+from kvstore import codec
 from kvstore.hashing import Namespace
 from router.cost_model import CostModelConfig
 from router.validation import GenerateParams, ModelLimits
 from strata.v1 import common_pb2
-
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "int8": 1}
-
 
 @dataclass(frozen=True)
 class QuantChoice:
@@ -62,7 +60,7 @@ class ServedModel:
         tokenizer = Tokenizer.from_dir(path)
         im_end = tokenizer.backend.token_to_id("<|im_end|>")
         chat_stops = (im_end,) if im_end is not None and "<|im_end|>" in (tokenizer.chat_template or "") else ()
-        kv_bytes = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * _DTYPE_BYTES.get(kv_dtype, 4)
+        kv_bytes = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * codec.DTYPE_SIZES.get(kv_dtype, 4)
         return cls(model_id or Path(path).name, path, tokenizer, namespace, block_size, max_model_len,
                    spec.vocab_size, kv_bytes, chat_stops, sampling_defaults(ckpt.generation_config or {}))
 
