@@ -3,7 +3,9 @@
 One step computes, for each scheduled sequence, `token_ids` at positions `start_pos .. start_pos+len-1`,
 writing their KV into the slots given by `block_table` (slot = block_table[pos // block_size] * block_size +
 pos % block_size) and attending to every earlier position of the same sequence. Prefill, chunked prefill, decode
-and speculative verify are all this one shape.
+and speculative verify are all this one shape: a verify step computes the request's last token and its drafts,
+
+    token_ids:  | t (sampled last step) | d_1 ... d_k (proposed) |     num_logits = k + 1, num_draft = k
 
     positions:  0 ........ start_pos-1 | start_pos ... start_pos+len(token_ids)-1
                 (already in the cache)  | (computed this step)
@@ -21,6 +23,7 @@ class ScheduledSeq:
     block_table: list[int]      # block ids covering positions [0, start_pos + len(token_ids))
     num_logits: int = 1         # how many trailing positions need logits (0: a non-final prefill chunk)
     prompt_len: int = 0         # the request's prompt length (dynamic NTK RoPE rotates a prompt for it); 0: unknown
+    num_draft: int = 0          # the last num_draft token_ids are speculative (verify: num_logits = num_draft + 1)
 
 
 @dataclass(frozen=True)

@@ -85,6 +85,39 @@ def quantization_label(quantization: str | None, group_size: int, checkpoint_con
     return f"int4-g{group_size}" if quantization == "int4" else quantization
 
 
+# `--speculative`: how a decode step proposes tokens for the target to verify (engine/spec/).
+SPECULATIVE_METHODS = ("ngram", "draft", "eagle")
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: a drafter proposes up to `num_speculative_tokens` tokens per request and step, the
+    target verifies them in the continuous batch (exact rejection sampling). `method` None: off."""
+
+    method: str | None = None
+    num_speculative_tokens: int = 4     # the most proposed per request and step (adaptive length picks <= this)
+    draft_model: str | None = None      # draft: a checkpoint folder; eagle: the head's folder (None: bundled)
+    prompt_lookup_min: int = 1          # ngram: shortest suffix matched against the request's own tokens
+    prompt_lookup_max: int = 4          # ngram: longest suffix tried first
+    adaptive: bool = True               # per-request length from acceptance; off when it does not pay
+
+    def __post_init__(self) -> None:
+        _require(self.method is None or self.method in SPECULATIVE_METHODS,
+                 f"speculative method must be one of {SPECULATIVE_METHODS} or unset, got {self.method!r}")
+        _require(isinstance(self.num_speculative_tokens, int)
+                 and 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
+                 f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], "
+                 f"got {self.num_speculative_tokens!r}")
+        _require(1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 32,
+                 f"prompt_lookup_min/max must satisfy 1 <= min <= max <= 32, got {self.prompt_lookup_min}/"
+                 f"{self.prompt_lookup_max}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Continuous batching limits. `max_num_batched_tokens` is the per-step token budget (chunked prefill)."""

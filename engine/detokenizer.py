@@ -83,6 +83,20 @@ class Detokenizer:
         release_to = len(self._decoded) if self.stop is not None else len(self._decoded) - self._holdback()
         return DetokenizeStep(self._release(release_to), self.stop)
 
+    def push_until_stop(self, token_ids: Sequence[int]) -> tuple[DetokenizeStep, int]:
+        """`push` for several tokens at once (a speculative step), one at a time while stop strings are set so
+        that the request ends at the token whose text completes a stop string, as it would one token per step;
+        with the number of tokens taken (the rest are dropped)."""
+        if not self._stops or len(token_ids) <= 1:
+            return self.push(token_ids), len(token_ids)
+        texts: list[str] = []
+        for used, token_id in enumerate(token_ids, 1):
+            step = self.push([token_id])
+            texts.append(step.new_text)
+            if step.stop is not None:
+                return DetokenizeStep("".join(texts), step.stop), used
+        return DetokenizeStep("".join(texts), None), len(token_ids)
+
     def flush(self) -> str:
         """Release the held-back tail (the request finished for another reason)."""
         return self._release(len(self._decoded))

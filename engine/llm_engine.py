@@ -21,6 +21,8 @@ from engine.sampler import Sampler, SeenTokens, token_logprobs
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.scheduler import RequestUpdate, ScheduledStep, Scheduler
 from engine.config import CacheConfig, SchedulerConfig
+from engine.spec.drafter import StepFeatures
+from engine.spec.speculation import Speculation
 
 
 class Runner(Protocol):
@@ -45,8 +47,11 @@ class LLMEngine:
                  scheduler_config: SchedulerConfig, hasher: Hasher, hash_root: bytes,
                  eos_token_ids: Sequence[int] | None = None, *, seed: int = 0,
                  on_block_stored: OnBlockStored | None = None,
-                 on_block_removed: OnBlockRemoved | None = None) -> None:
+                 on_block_removed: OnBlockRemoved | None = None,
+                 speculation: Speculation | None = None) -> None:
+        """`speculation`: speculative decoding (engine/spec, `build_speculation`); None: off."""
         self.runner = runner
+        self.speculation = speculation
         self.tokenizer = tokenizer
         num_blocks = getattr(runner, "num_blocks", None) or cache_config.num_blocks
         self.block_manager = BlockManager(num_blocks, cache_config.block_size, hasher, hash_root,
@@ -74,6 +79,11 @@ class LLMEngine:
             prompt = encoded.ids if hasattr(encoded, "ids") else encoded  # `tokenizers.Tokenizer` or ours
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
+        if self.speculation is not None:
+            self.speculation.check(params)
+        elif params.speculative not in (None, "off"):
+            raise ValueError(f"speculative={params.speculative!r} is not available here: this server runs without "
+                             f"speculative decoding (start it with --speculative {params.speculative}) or 'off'")
         salt = self._prefix_salt(len(prompt))
         if salt:   # e.g. dynamic NTK past max_position_embeddings: the prompt's KV depends on its length
             hash_root = self.block_manager.salted_root(hash_root, salt)
@@ -91,22 +101,50 @@ class LLMEngine:
     def abort(self, request_id: str) -> bool:
         self._detokenizers.pop(request_id, None)
         self.sampler.release(request_id)
+        if self.speculation is not None:
+            self.speculation.release(request_id)
         return self.scheduler.abort(request_id) is not None
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
+        spec = self.speculation
+        if spec is not None:
+            spec.propose(self.scheduler.decoding())   # sets each decoding request's spec_token_ids
         step = self.scheduler.schedule()
         if not step.batch.seqs:
             return []
         if step.preloads:  # KV computed elsewhere for blocks this step's requests now own
             self.runner.write_blocks([b for b, _ in step.preloads], torch.stack([kv for _, kv in step.preloads]))
-        logits = self.runner.execute(step.batch)  # [sum(num_logits), vocab]
-        updates = self.scheduler.update(step, self._sample(step, logits))
+        if spec is not None and spec.needs_features:
+            logits, hidden = self.runner.execute_features(step.batch)  # [N, vocab], [T, H] before the final norm
+        else:
+            logits, hidden = self.runner.execute(step.batch), None   # [sum(num_logits), vocab]
+        sampled = self._sample(step, logits)
+        updates = self.scheduler.update(step, sampled)
+        if spec is not None:
+            self._after_speculation(step, sampled, hidden)
         outputs = [output for output in map(self._output, updates) if output is not None]
         self._pending_logprobs.clear()
         return outputs
+
+    def _after_speculation(self, step: ScheduledStep, sampled: list[list[int]], hidden: torch.Tensor | None) -> None:
+        """Time the step for the adaptive length, and hand the target's features of the verified positions (each
+        sequence's computed tokens less its rejected drafts) to the drafters that read them."""
+        seqs = step.batch.seqs
+        pure_decode = all(len(s.token_ids) == 1 + s.num_draft and s.num_logits for s in seqs)
+        self.speculation.finish_step(seqs, sum(map(len, sampled)), pure_decode)
+        if hidden is None:
+            return
+        ids, starts, rows, counts, row = [], [], [], [], 0
+        for seq, tokens in zip(seqs, sampled):
+            ids.append(seq.request_id)
+            starts.append(seq.start_pos)
+            rows.append(row)
+            counts.append(len(seq.token_ids) - seq.num_draft + (len(tokens) - 1 if seq.num_draft else 0))
+            row += len(seq.token_ids)
+        self.speculation.observe(StepFeatures(ids, starts, rows, counts, hidden))
 
     def generate(self, prompts: Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -124,6 +162,8 @@ class LLMEngine:
         return [final[i] for i in ids]
 
     def _sample(self, step: ScheduledStep, logits: torch.Tensor) -> list[list[int]]:
+        if any(seq.num_draft for seq in step.batch.seqs):
+            return self._sample_verify(step, logits)
         if any(r.needs_prompt_logprobs for r in step.requests):
             # rows per prompt position; a sequence samples only where its chunk reaches the end of its tokens
             logits, rows = self._prompt_logprobs(step, logits)
@@ -144,6 +184,26 @@ class LLMEngine:
             sampled[i] = [token_id]
         return sampled
 
+    def _sample_verify(self, step: ScheduledStep, logits: torch.Tensor) -> list[list[int]]:
+        """A step with speculating sequences: their k + 1 rows are verified (engine/spec/verify.py), the other
+        sequences sample their one row as usual; logprobs of every emitted token come from its own row."""
+        if any(r.needs_prompt_logprobs for r in step.requests):
+            self._prompt_logprobs(step, logits)
+        groups, base = [], 0
+        for seq, request in zip(step.batch.seqs, step.requests):
+            n = seq.num_logits
+            final = n and seq.start_pos + len(seq.token_ids) - seq.num_draft == request.num_tokens
+            groups.append(list(range(base, base + n)) if seq.num_draft else [base + n - 1] if final else [])
+            base += n
+        sampled = self.speculation.sample(step.batch.seqs, step.requests, groups, logits, self.sampler)
+        for request, group, tokens in zip(step.requests, groups, sampled):
+            if tokens and request.params.logprobs is not None:
+                rows = torch.tensor(group[:len(tokens)], device=logits.device)
+                entries = token_logprobs(logits.index_select(0, rows), tokens,
+                                         [request.params.logprobs] * len(tokens))
+                self._pending_logprobs[request.request_id] = [TokenLogprobs(*e) for e in entries]
+        return sampled
+
     def _token_logprobs(self, logits: torch.Tensor, requests: list[Request], tokens: list[int]) -> None:
         """Logprobs of the sampled tokens for the requests that ask, for `_output` to take."""
         wanted = [j for j, r in enumerate(requests) if r.params.logprobs is not None]
@@ -152,7 +212,7 @@ class LLMEngine:
         computed = token_logprobs(logits.index_select(0, index), [tokens[j] for j in wanted],
                                   [requests[j].params.logprobs for j in wanted])
         for j, entry in zip(wanted, computed):
-            self._pending_logprobs[requests[j].request_id] = TokenLogprobs(*entry)
+            self._pending_logprobs[requests[j].request_id] = [TokenLogprobs(*entry)]
 
     def _prompt_logprobs(self, step: ScheduledStep, logits: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         """Record the prompt logprobs of the rows that predict prompt tokens; the logits rows to sample from and
@@ -160,6 +220,9 @@ class LLMEngine:
         sample_rows, seq_indices, base = [], [], 0
         for i, (seq, request) in enumerate(zip(step.batch.seqs, step.requests)):
             n = seq.num_logits
+            if seq.num_draft:           # a verify (the caller samples it): its rows predict no prompt token
+                base += n
+                continue
             if n > 1 or (n == 1 and request.needs_prompt_logprobs):
                 first = seq.start_pos + len(seq.token_ids) - n                       # position of the first row
                 prompt = request.prompt_token_ids
@@ -182,11 +245,13 @@ class LLMEngine:
         snapshots of the request's append-only lists (read on demand), not copies."""
         request, new_ids = update
         params = request.params
-        new_text, stop_reason = self._detokenize(request, new_ids)
+        new_text, stop_reason, new_ids = self._detokenize(request, new_ids)
         new_logprobs = None if params.logprobs is None else self._record_logprobs(request, new_ids)
         finished = request.is_finished
         if finished:
             self.sampler.release(request.request_id)
+            if self.speculation is not None:
+                self.speculation.release(request.request_id)
             if stop_reason is None and request.status is RequestStatus.FINISHED_STOPPED:
                 stop_reason = request.output_token_ids[-1]
         if params.output_kind is RequestOutputKind.FINAL_ONLY:
@@ -217,7 +282,7 @@ class LLMEngine:
 
     def _record_logprobs(self, request: Request, new_ids: list[int]) -> list[TokenLogprobs]:
         """The new tokens' logprobs (sampled this step), appended to the request's."""
-        new_logprobs = [self._pending_logprobs.pop(request.request_id)] if new_ids else []
+        new_logprobs = self._pending_logprobs.pop(request.request_id)[:len(new_ids)] if new_ids else []
         if request.output_logprobs is None:
             request.output_logprobs = []
         request.output_logprobs.extend(new_logprobs)
@@ -231,12 +296,16 @@ class LLMEngine:
         entries = functools.partial(_first_none, request.prompt_logprobs)
         return entries if lazy else entries()
 
-    def _detokenize(self, request: Request, new_ids: list[int]) -> tuple[str, str | None]:
-        """(text released by the new tokens, the stop string that matched): ("", None) without a detokenizer."""
+    def _detokenize(self, request: Request, new_ids: list[int]) -> tuple[str, str | None, list[int]]:
+        """(text released by the new tokens, the stop string that matched, the new tokens it kept): a stop string
+        inside a multi-token (speculative) step drops the tokens after it, as one token per step would."""
         detokenizer = self._detokenizers.get(request.request_id)
         if detokenizer is None:
-            return "", None
-        new_text, stop = detokenizer.push(new_ids)
+            return "", None, new_ids
+        (new_text, stop), used = detokenizer.push_until_stop(new_ids)
+        if used < len(new_ids):
+            request.truncate_outputs(request.num_output_tokens - (len(new_ids) - used))
+            new_ids = new_ids[:used]
         if stop is not None:
             if request.is_finished:
                 request.status = RequestStatus.FINISHED_STOPPED  # a stop string beats 'length' in the same step
@@ -244,7 +313,7 @@ class LLMEngine:
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
         elif request.is_finished:
             new_text += detokenizer.flush()
-        return new_text, stop
+        return new_text, stop, new_ids
 
 
 def _first_none(entries: list) -> list:

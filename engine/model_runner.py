@@ -114,6 +114,22 @@ class ModelRunner:
         _check_tables(batch, self.block_size)
         if self.compiled is not None and self.compiled.supports(batch):
             return self._execute_compiled(batch)
+        hidden, logit_rows = self._forward(batch)
+        if len(logit_rows) != hidden.shape[0]:
+            hidden = hidden[torch.tensor(logit_rows, dtype=torch.int64, device=self.device)]  # [N, H]
+        return self.model.logits(hidden)                                              # [N, V]
+
+    @torch.inference_mode()
+    def execute_features(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the logits `execute` gives, hidden states `[T, H]` of every computed position before the final norm,
+        in batch token order): what a draft head that reads the target's features needs. Always eager."""
+        _check_tables(batch, self.block_size)
+        hidden, logit_rows = self._forward(batch)
+        rows = hidden[torch.tensor(logit_rows, dtype=torch.int64, device=self.device)]   # [N, H]
+        return self.model.logits(rows), hidden
+
+    def _forward(self, batch: StepBatch) -> tuple[torch.Tensor, list[int]]:
+        """The eager forward: hidden states `[T, H]` (before the final norm) and the rows that need logits."""
         ids, positions, logit_rows = _flat_inputs(batch)
         meta = self.attention.build_metadata(batch, self.block_size, self.device, self.dtype)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)          # [T]
@@ -124,9 +140,7 @@ class ModelRunner:
         except BaseException:
             self.attention.invalidate()     # a half-run step leaves derived attention state behind the cache
             raise
-        if len(logit_rows) != len(ids):
-            hidden = hidden[torch.tensor(logit_rows, dtype=torch.int64, device=self.device)]  # [N, H]
-        return self.model.logits(hidden)                                              # [N, V]
+        return hidden, logit_rows
 
     def _execute_compiled(self, batch: StepBatch) -> torch.Tensor:
         positions = [s.start_pos for s in batch.seqs]

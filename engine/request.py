@@ -44,7 +44,8 @@ class Request:
 
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "token_ids", "params", "status",
                  "num_computed_tokens", "num_cached_tokens", "num_preemptions", "arrival_index", "hash_root",
-                 "block_hashes", "output_logprobs", "prompt_logprobs", "preloaded_kv", "freed_block_ids")
+                 "block_hashes", "output_logprobs", "prompt_logprobs", "preloaded_kv", "freed_block_ids",
+                 "spec_token_ids")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  arrival_index: int = 0, hash_root: bytes | None = None) -> None:
@@ -69,6 +70,7 @@ class Request:
         # when the request is first allocated right behind those full blocks; otherwise those tokens are computed.
         self.preloaded_kv: tuple | None = None
         self.freed_block_ids: list[int] = []          # the table it held when freed (readable until reallocated)
+        self.spec_token_ids: list[int] = []           # proposed for the next step (engine/spec), not yet verified
 
     @property
     def num_tokens(self) -> int:
@@ -103,6 +105,13 @@ class Request:
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.token_ids.append(token_id)
+
+    def truncate_outputs(self, num_outputs: int) -> None:
+        """Drop outputs past the first `num_outputs` (a stop string matched inside a multi-token step)."""
+        drop = self.num_output_tokens - num_outputs
+        if drop > 0:
+            del self.output_token_ids[num_outputs:]
+            del self.token_ids[len(self.token_ids) - drop:]
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.name}, computed={self.num_computed_tokens}/"

@@ -121,6 +121,23 @@ class Sampler:
                 tokens[rows] = drawn.cpu().numpy()
         return tokens.tolist()
 
+    def probabilities(self, logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int],
+                      seen: Sequence[SeenTokens | tuple | None] | None = None) -> torch.Tensor:
+        """[rows, vocab] float32: the distribution `sample` draws each row from (bans, bias, penalties, temperature,
+        top-k, top-p, min-p as there; greedy rows a point mass at the argmax). Speculative verification's p."""
+        logits = self._adjust(logits, params, positions, seen)
+        out = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)       # [rows, vocab]
+        greedy = [i for i, p in enumerate(params) if p.temperature == 0.0]
+        if greedy:
+            index = torch.tensor(greedy, device=logits.device)
+            argmax = torch.from_numpy(_argmax(logits.index_select(0, index))).to(logits.device)
+            out[index, argmax] = 1.0
+        rows = [i for i, p in enumerate(params) if p.temperature != 0.0]
+        if rows:
+            index = torch.tensor(rows, device=logits.device)
+            out[index] = _filtered_distribution(logits.index_select(0, index).float(), [params[i] for i in rows])
+        return out
+
     # ----- rewriting the logits
 
     def _adjust(self, logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int],
@@ -277,6 +294,22 @@ def apply_penalties(logits: torch.Tensor,
         params[i], seen[i] = p, tokens
     adjusted = Sampler()._adjust(logits, params, [p.min_tokens for p in params], seen)
     return adjusted.clone() if adjusted is logits else adjusted
+
+
+def _filtered_distribution(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """[rows, vocab] probabilities after temperature, top-k, min-p and top-p, as `_draw_sorted` keeps them."""
+    vocab = logits.shape[1]
+    values, order = torch.sort(logits / _column(params, "temperature", logits.device), dim=-1, descending=True)
+    w = (values - values[:, :1]).exp_()                                                   # [rows, V] sorted
+    ks = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=logits.device)
+    allowed = torch.arange(vocab, device=logits.device).unsqueeze(0) < ks.unsqueeze(1)   # [rows, V]
+    w.masked_fill_(~allowed, 0.0)
+    _apply_min_p(w, params)
+    cdf = torch.cumsum(w, dim=-1)
+    mass = cdf.gather(1, (ks - 1).unsqueeze(1))                                          # [rows, 1]
+    w.masked_fill_((cdf - w) >= _column(params, "top_p", logits.device) * mass, 0.0)    # rank 0 always kept
+    sorted_p = w / w.sum(dim=-1, keepdim=True)
+    return torch.zeros_like(sorted_p).scatter_(1, order, sorted_p)
 
 
 def _argmax(logits: torch.Tensor) -> np.ndarray:

@@ -5,6 +5,7 @@ import enum
 from dataclasses import dataclass
 
 MAX_LOGPROBS = 20  # as vLLM's default max_logprobs and OpenAI's top_logprobs bound
+SPECULATIVE_CHOICES = ("off", "ngram", "draft", "eagle")   # a request's `speculative` (engine.config's methods)
 
 
 class RequestOutputKind(enum.Enum):
@@ -39,6 +40,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None   # per prompt token after the first: its logprob and the N most likely
     min_p: float = 0.0                # 0 means off; drops tokens less likely than min_p times the most likely one
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE   # a string ("final_only") works
+    speculative: str | None = None    # None: the server's drafter; "off", or one the server loaded (ngram always)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -80,6 +82,9 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.speculative is not None and self.speculative not in SPECULATIVE_CHOICES:
+            raise ValueError(f"speculative must be one of {SPECULATIVE_CHOICES} (or unset: the server's), got "
+                             f"{self.speculative!r}")
         if not isinstance(self.output_kind, RequestOutputKind):
             kinds = {k.value: k for k in RequestOutputKind}
             if self.output_kind not in kinds:

@@ -7,7 +7,10 @@ Each `schedule()` fills one token budget (`max_num_batched_tokens`):
     2. waiting requests in order (preempted ones first), each taking its prefix-cache hit and a first chunk,
        while the budget, `max_num_seqs` and the free blocks allow; skipped in a step that preempted.
 
-`update(step, sampled)` advances the counters of what ran, indexes newly full blocks, appends sampled tokens and
+A decoding request with proposed tokens (`request.spec_token_ids`) is scheduled as a verify: its last token and
+its drafts, `1 + k` tokens and logits, trimmed to the budget and to what max_tokens / max_model_len leave.
+
+`update(step, sampled)` advances the counters of what ran (of a verify, the accepted drafts only), indexes newly full blocks, appends sampled tokens and
 finishes requests on eos / stop_token_ids / max_tokens / max_model_len. Stop strings are the caller's (text side),
 which ends a request with `finish_request`.
 """
@@ -118,13 +121,20 @@ class Scheduler:
         for request, seq, sampled in zip(step.requests, step.batch.seqs, sampled_token_ids):
             if request.status is not RequestStatus.RUNNING:
                 continue  # aborted since schedule()
-            request.num_computed_tokens += len(seq.token_ids)
+            # NOTE: a verify step computed the last token and the drafts; only the accepted ones count (the
+            # sampled list is the accepted drafts plus one token), the rejected slots are rewritten later
+            request.num_computed_tokens += len(seq.token_ids) - seq.num_draft + \
+                (len(sampled) - 1 if seq.num_draft else 0)
             self.block_manager.commit(request)
             if seq.num_logits:
                 updates.append(RequestUpdate(request, self._append(request, sampled)))
         return updates
 
     # ----- steps of schedule()
+
+    def decoding(self) -> list[Request]:
+        """Running requests whose next step is a decode (one token left to compute): the ones that may speculate."""
+        return [r for r in self._running if r.num_computed_tokens == r.num_tokens - 1]
 
     def _decodes_first(self) -> list[Request]:
         """A copy of the running requests (preemption edits the list), decodes first, arrival order within each."""
@@ -138,7 +148,12 @@ class Scheduler:
         num_new = min(remaining, plan.budget)
         if num_new < remaining and not self.config.enable_chunked_prefill:
             return
+        if remaining == 1 and request.spec_token_ids:   # verify: the last token and the drafts the budget allows
+            num_new = min(1 + self._num_drafts(request), plan.budget)
         while not self.block_manager.append_slots(request, num_new):
+            if num_new > remaining:     # drafts never preempt anyone: verify without them
+                num_new = remaining
+                continue
             victim = self._running[-1]    # the newest request gives its blocks back
             self._preempt(victim)
             plan.preempted.append(victim)
@@ -147,6 +162,13 @@ class Scheduler:
                 return
         plan.planned[request] = num_new
         plan.budget -= num_new
+
+    def _num_drafts(self, request: Request) -> int:
+        """Drafts worth verifying: never past max_tokens (the bonus token is the last output) or max_model_len, so
+        a verify step needs no KV slot `_check_fits` did not count."""
+        room = min(request.params.max_tokens - request.num_output_tokens,
+                   self.config.max_model_len - request.num_tokens + 1) - 1
+        return max(0, min(len(request.spec_token_ids), room))
 
     def _admit_waiting(self, plan: _Plan) -> None:
         bm, chunked = self.block_manager, self.config.enable_chunked_prefill
@@ -176,6 +198,13 @@ class Scheduler:
         table = self.block_manager.table_snapshot   # copied only when it grew, never changed afterwards
         for request, num_new in plan.planned.items():
             start = request.num_computed_tokens
+            num_draft = max(0, start + num_new - request.num_tokens)    # verify: the last token, then drafts
+            if num_draft:
+                seqs.append(ScheduledSeq(request.request_id, [request.token_ids[start],
+                                                              *request.spec_token_ids[:num_draft]], start,
+                                         table(request.request_id), num_draft + 1, request.num_prompt_tokens,
+                                         num_draft))
+                continue
             final = start + num_new == request.num_tokens
             # every position of a prompt chunk when its prompt logprobs are wanted, else the last one to sample
             num_logits = num_new if request.needs_prompt_logprobs else 1 if final else 0

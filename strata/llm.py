@@ -14,8 +14,9 @@ from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from kvstore.hashing import Namespace, hash_block
-from engine.config import CacheConfig, ModelConfig, SchedulerConfig, kv_storage_dtype
-from strata.paths import resolve_model
+from engine.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig, kv_storage_dtype
+from engine.spec.factory import build_speculation
+from strata.paths import resolve_draft_model, resolve_model
 
 
 def kv_namespace(runner: ModelRunner, cache_config: CacheConfig, dtype: str) -> Namespace:
@@ -47,6 +48,15 @@ class EngineArgs:
     quantization: str | None = None     # int8, int4, fp8, mxfp4 (None: the checkpoint's own, else none)
     quant_group_size: int = 128         # int4 group size
     kv_cache_dtype: str = "auto"        # auto (the model dtype), fp8 or int8
+    speculative: str | None = None      # ngram, draft or eagle (None: off)
+    num_speculative_tokens: int = 4     # the most proposed per request and step
+    speculative_model: str | None = None   # draft: a checkpoint; eagle: a head folder (None: the bundled one)
+    speculative_adaptive: bool = True   # per-request length from acceptance, off when it does not pay
+
+    def speculative_config(self) -> SpeculativeConfig:
+        return SpeculativeConfig(self.speculative, self.num_speculative_tokens,
+                                 resolve_draft_model(self.speculative, self.speculative_model),
+                                 adaptive=self.speculative_adaptive)
 
     def configs(self) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
         model = ModelConfig(resolve_model(self.model), self.device, self.dtype, self.seed, self.enforce_eager,
@@ -59,10 +69,12 @@ class EngineArgs:
 
 def build_engine(args: EngineArgs) -> LLMEngine:
     model_config, cache_config, scheduler_config = args.configs()
+    spec_config = args.speculative_config()
     runner = ModelRunner(model_config, cache_config, attention=args.attention, max_num_seqs=args.max_num_seqs)
     namespace = kv_namespace(runner, cache_config, kv_storage_dtype(cache_config.kv_cache_dtype, model_config.dtype))
+    speculation = build_speculation(spec_config, runner, model_config, cache_config, scheduler_config)
     return LLMEngine(runner, runner.tokenizer, cache_config, scheduler_config, hash_block,
-                     namespace.fingerprint(), seed=args.seed)
+                     namespace.fingerprint(), seed=args.seed, speculation=speculation)
 
 
 class LLM:

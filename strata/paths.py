@@ -7,6 +7,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL_NAME = "strata-moe-tiny"
 DEFAULT_DRAFT_NAME = "strata-draft-tiny"
+DEFAULT_EAGLE_NAME = "strata-eagle-tiny"
 
 
 def bundled_model(name: str = DEFAULT_MODEL_NAME) -> str:
@@ -25,3 +26,13 @@ def resolve_model(model: str | None) -> str:
     if candidate.is_dir():
         return str(candidate)
     raise ValueError(f"model must be a local folder or a bundled model name ({DEFAULT_MODEL_NAME!r}), got {model!r}")
+
+
+def resolve_draft_model(method: str | None, path: str | None) -> str | None:
+    """The speculative drafter's folder: `path` as given (a folder or a bundled name), else the bundled draft model
+    (`draft`) or EAGLE head (`eagle`); None for `ngram` or no speculation."""
+    if method not in ("draft", "eagle"):
+        return None
+    if path:
+        return resolve_model(path)
+    return bundled_model(DEFAULT_DRAFT_NAME if method == "draft" else DEFAULT_EAGLE_NAME)

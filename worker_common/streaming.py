@@ -60,8 +60,11 @@ class StreamingRequest(Tracked):
         prompt_logprobs = ()
         if not self._prompt_logprobs_sent and output.prompt_logprobs:  # NOTE: read once, not every step
             prompt_logprobs, self._prompt_logprobs_sent = tuple(output.prompt_logprobs[1:]), True
-        self.events.put(StreamEvent(list(output.new_token_ids), delta.text, reason, stop, output.completion_tokens,
-                                    output.num_cached_tokens, "", tuple(output.new_logprobs or ()), prompt_logprobs))
+        # NOTE: a stop string inside a multi-token (speculative) step ends the request at its token: the rest go
+        dropped = len(output.new_token_ids) - delta.num_tokens
+        self.events.put(StreamEvent(list(output.new_token_ids[:delta.num_tokens]), delta.text, reason, stop,
+                                    output.completion_tokens - dropped, output.num_cached_tokens, "",
+                                    tuple(output.new_logprobs or ())[:delta.num_tokens], prompt_logprobs))
         return delta.stop_str is not None
 
     def on_abort(self, reason: str) -> None:

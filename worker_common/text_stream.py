@@ -21,6 +21,7 @@ from engine.sampling_params import SamplingParams
 class TextDelta(NamedTuple):
     text: str
     stop_str: str | None     # a stop string matched: the request ends with reason 'stop'
+    num_tokens: int = 0      # of the pushed tokens, how many the text took (fewer: a stop string ended it)
 
 
 def engine_params(params: SamplingParams) -> SamplingParams:
@@ -39,8 +40,8 @@ class TextStream:
     def push(self, new_ids: Sequence[int], engine_finished: bool) -> TextDelta:
         """Text released by these tokens; flushed when the engine already finished the request."""
         if self._detok is None:
-            return TextDelta("", None)
-        new_text, stop = self._detok.push(new_ids)
+            return TextDelta("", None, len(new_ids))
+        (new_text, stop), used = self._detok.push_until_stop(new_ids)
         if stop is None and engine_finished:
             new_text += self._detok.flush()
-        return TextDelta(new_text if self._emit else "", stop)
+        return TextDelta(new_text if self._emit else "", stop, used)

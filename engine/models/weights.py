@@ -140,11 +140,14 @@ def _load_experts(reader: TensorReader, src: Source, name: str, shape: tuple[int
 
 
 def load_weights(model: nn.Module, spec: ModelSpec, reader: TensorReader,
-                 skip: frozenset[str] = frozenset()) -> None:
+                 skip: frozenset[str] = frozenset(), only_layers: bool = False) -> None:
     """Fill every parameter of `model` from the checkpoint (raises MissingTensorError / TensorShapeError).
     `skip`: our parameter names another path already filled (engine.quant.prequantized: linears a pre-quantized
-    checkpoint stores quantized, now quantized modules, and float ones it dequantized)."""
+    checkpoint stores quantized, now quantized modules, and float ones it dequantized). `only_layers`: fill a
+    module that holds `layers` alone."""
     sources = weight_sources(spec)
+    if only_layers:   # a module of decoder layers only (an EAGLE head's): no embedding, final norm or LM head
+        sources = {name: src for name, src in sources.items() if name.startswith("layers.")}
     params = dict(model.named_parameters())
     for name, src in sources.items():
         if name in skip:

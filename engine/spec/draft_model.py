@@ -1,0 +1,66 @@
+"""`draft`: a small model with the target's tokenizer, run by its own `ModelRunner` with its own paged KV cache in
+the same engine process. Per proposal it catches each request up (the prompt on first sight, then whatever the
+target accepted since), then drafts k tokens autoregressively, all requests batched in every forward:
+
+    forward 1:  each request's uncomputed tokens (catch-up)       -> d_1
+    forward j:  d_{j-1} of the requests still drafting             -> d_j      (j = 2..k)
+
+The last draft is never run through the draft model (the next catch-up computes it if it was accepted). A
+request the cache has no room for proposes nothing this step.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from engine.batch import StepBatch
+from engine.config import CacheConfig, ModelConfig
+from engine.model_runner import ModelRunner
+from engine.spec.draft_kv import DraftDraw, ShadowSequences
+from engine.spec.drafter import DraftInput, Drafter, Proposal
+
+
+class DraftModelDrafter(Drafter):
+    name = "draft"
+
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, target_vocab_size: int,
+                 max_num_seqs: int = 64, seed: int = 0) -> None:
+        self.runner = ModelRunner(model_config, CacheConfig(cache_config.block_size, cache_config.num_blocks,
+                                                            enable_prefix_caching=False),
+                                  max_num_seqs=max_num_seqs)
+        if self.runner.vocab_size != target_vocab_size:
+            raise ValueError(f"draft model {model_config.path!r} has vocab_size={self.runner.vocab_size}, the "
+                             f"target {target_vocab_size}: a draft model must share the target's tokenizer")
+        self.shadows = ShadowSequences(cache_config.num_blocks, cache_config.block_size)
+        self.draw = DraftDraw(seed)
+
+    def propose(self, inputs: Sequence[DraftInput], seeds: Sequence[int | None]) -> list[Proposal]:
+        drafts: list[list[int]] = [[] for _ in inputs]
+        q_rows: list[list[torch.Tensor]] = [[] for _ in inputs]
+        active = []
+        for i, item in enumerate(inputs):
+            shadow = self.shadows.sync(item.request.request_id, item.request.token_ids)
+            # positions up to the last token plus k - 1 drafts get KV here
+            if self.shadows.reserve(shadow, item.request.num_tokens + item.num_tokens - 1):
+                active.append((i, shadow))
+        while active:
+            batch = StepBatch([self.shadows.scheduled(shadow) for _, shadow in active])
+            logits = self.runner.execute(batch)                                          # [len(active), V]
+            rows = [inputs[i] for i, _ in active]
+            positions = [inputs[i].request.num_output_tokens + len(drafts[i]) for i, _ in active]
+            tokens, q = self.draw(logits, rows, positions)
+            still = []
+            for (i, shadow), token, q_row in zip(active, tokens, q):
+                shadow.num_computed_tokens = shadow.num_tokens
+                shadow.token_ids.append(token)
+                drafts[i].append(token)
+                if q_row is not None:
+                    q_rows[i].append(q_row)
+                if len(drafts[i]) < inputs[i].num_tokens:
+                    still.append((i, shadow))
+            active = still
+        return [Proposal(d, torch.stack(q) if q else None) for d, q in zip(drafts, q_rows)]
+
+    def release(self, request_id: str) -> None:
+        self.shadows.release(request_id)

@@ -1,0 +1,217 @@
+"""`Speculation`: the engine's side of speculative decoding. Before a step it asks the drafters for proposals
+(`propose`); after the verify forward it turns the logits rows of each speculating request into the tokens it
+emits (`sample`), exactly distributed as the target's (verify.py); it times steps for the adaptive length
+(adaptive.py) and keeps the counters operators read (`SpecStats`).
+
+    step():  propose(decoding requests) -> schedule (verify = last token + drafts) -> forward (k + 1 logits rows)
+             -> sample (accept / correct / bonus) -> update (accepted KV only) -> observe (features, counters)
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from engine.batch import ScheduledSeq
+from engine.config import SpeculativeConfig
+from engine.penalties import SeenTokens
+from engine.request import Request
+from engine.sampler import Sampler, seeded_uniform
+from engine.sampling_params import SamplingParams
+from engine.spec.adaptive import AdaptiveLength
+from engine.spec.drafter import DraftInput, Drafter, StepFeatures
+from engine.spec.verify import ACCEPT_STREAM, RESIDUAL_STREAM, verify_point_masses, verify_sampled
+
+
+@dataclass
+class SpecStats:
+    """Counters since start (Prometheus counters; rates are derived)."""
+
+    method: str = ""
+    num_verifies: int = 0          # request-steps that verified at least one draft
+    num_draft_tokens: int = 0      # drafts verified
+    num_accepted_tokens: int = 0   # drafts accepted
+    num_emitted_tokens: int = 0    # tokens those verifies emitted (accepted + one correction or bonus each)
+    draft_seconds: float = 0.0     # in the drafters
+    verify_seconds: float = 0.0    # target forward + sampling of steps that verified drafts
+    plain_seconds: float = 0.0     # the same for steps without drafts
+    num_verify_steps: int = 0
+    num_plain_steps: int = 0
+    by_method: dict = field(default_factory=dict)   # method -> [verifies, drafts, accepted]
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per verify of one request (accepted drafts + 1), vLLM's 'mean acceptance length'."""
+        return self.num_emitted_tokens / self.num_verifies if self.num_verifies else 0.0
+
+    def as_dict(self) -> dict:
+        out = {k: v for k, v in self.__dict__.items() if k != "by_method"}
+        out.update(acceptance_rate=self.acceptance_rate, mean_accepted_length=self.mean_accepted_length,
+                   by_method={m: dict(zip(("verifies", "drafts", "accepted"), v)) for m, v in self.by_method.items()})
+        return out
+
+
+class Speculation:
+    def __init__(self, config: SpeculativeConfig, drafters: dict[str, Drafter], seed: int = 0) -> None:
+        assert config.method in drafters, f"the server's drafter {config.method!r} is not loaded"
+        self.config, self.drafters = config, drafters
+        self.controller = AdaptiveLength(config.num_speculative_tokens, config.adaptive)
+        self.stats = SpecStats(method=config.method or "")
+        self._q: dict[str, torch.Tensor] = {}          # request id -> q rows of its current sampled drafts
+        self._method: dict[str, str] = {}               # request id -> the drafter of its current drafts
+        self._rng = np.random.default_rng(seed + 1)
+        self._step_started = 0.0
+        self._step_decoding = 0
+
+    @property
+    def needs_features(self) -> bool:
+        return any(d.needs_features for d in self.drafters.values())
+
+    def check(self, params: SamplingParams) -> None:
+        """Raise ValueError when a request asks for a drafter this engine did not load."""
+        wanted = params.speculative
+        if wanted not in (None, "off") and wanted not in self.drafters:
+            raise ValueError(f"speculative={wanted!r} is not available here: this server runs "
+                             f"{sorted(self.drafters)} (start it with --speculative {wanted}) or 'off'")
+
+    def method_of(self, request: Request) -> str | None:
+        wanted = request.params.speculative
+        return None if wanted == "off" else (wanted or self.config.method)
+
+    # ----- before the step
+
+    def propose(self, decoding: Sequence[Request]) -> None:
+        """Set `spec_token_ids` of the decoding requests (empty where they do not speculate this step)."""
+        started = time.perf_counter()
+        self._step_started, self._step_decoding = started, len(decoding)
+        for request in decoding:
+            request.spec_token_ids = []
+        if not decoding or not self.controller.speculate_batch(len(decoding)):
+            return
+        groups: dict[str, list[DraftInput]] = {}
+        for request in decoding:
+            method = self.method_of(request)
+            room = request.params.max_tokens - request.num_output_tokens - 1
+            k = min(self.controller.length(request.request_id), room) if method else 0
+            if k > 0:
+                groups.setdefault(method, []).append(DraftInput(request, k, not request.params.greedy))
+        for method, inputs in groups.items():
+            proposals = self.drafters[method].propose(inputs, [i.request.params.seed for i in inputs])
+            for item, proposal in zip(inputs, proposals):
+                rid = item.request.request_id
+                item.request.spec_token_ids = proposal.token_ids[:item.num_tokens]
+                self._method[rid] = method
+                if proposal.probs is not None and proposal.token_ids:
+                    self._q[rid] = proposal.probs
+                else:
+                    self._q.pop(rid, None)
+        self.stats.draft_seconds += time.perf_counter() - started
+
+    # ----- after the forward
+
+    def sample(self, seqs: Sequence[ScheduledSeq], requests: Sequence[Request], groups: Sequence[list[int]],
+               logits: torch.Tensor, sampler: Sampler) -> list[list[int]]:
+        """The tokens each sequence emits; `groups[i]` are its logits rows (a verify: k + 1 of them)."""
+        rows, params, positions, seen = self._rows(requests, seqs, groups)
+        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        picked = logits.index_select(0, index)                                         # [rows, V]
+        draws = sampler.sample(picked, params, positions, seen)
+        out: list[list[int]] = []
+        at = 0
+        for seq, request, group in zip(seqs, requests, groups):
+            n = len(group)
+            if not seq.num_draft:
+                out.append(draws[at:at + n])
+            else:
+                out.append(self._verify(seq, request, draws[at:at + n], picked[at:at + n - 1], params[at:at + n - 1],
+                                        positions[at:at + n - 1], None if seen is None else seen[at:at + n - 1],
+                                        sampler))
+            at += n
+        return out
+
+    def _rows(self, requests: Sequence[Request], seqs: Sequence[ScheduledSeq], groups: Sequence[list[int]]):
+        """Per logits row: its params, output position and (for penalties) the tokens seen before it (a draft row
+        j has seen the outputs and drafts 1..j)."""
+        rows: list[int] = []
+        params: list[SamplingParams] = []
+        positions: list[int] = []
+        penalized = any(r.params.penalized for r, g in zip(requests, groups) if g)
+        seen: list | None = [] if penalized else None
+        for request, seq, group in zip(requests, seqs, groups):
+            drafts = seq.token_ids[1:] if seq.num_draft else []
+            for j, row in enumerate(group):
+                rows.append(row)
+                params.append(request.params)
+                positions.append(request.num_output_tokens + j)
+                if seen is not None:
+                    outputs = request.output_token_ids if j == 0 else [*request.output_token_ids, *drafts[:j]]
+                    seen.append(SeenTokens(request.prompt_token_ids, outputs))
+        return rows, params, positions, seen
+
+    def _verify(self, seq: ScheduledSeq, request: Request, draws: list[int], p_logits: torch.Tensor,
+                params: list[SamplingParams], positions: list[int], seen: list | None,
+                sampler: Sampler) -> list[int]:
+        drafts = seq.token_ids[1:]
+        rid, k = request.request_id, seq.num_draft
+        q = self._q.pop(rid, None)
+        if q is None or request.params.greedy:
+            verdict = verify_point_masses(drafts, draws)
+        else:
+            p = sampler.probabilities(p_logits, params, positions, seen)                # [k, V]
+            verdict = verify_sampled(drafts, q[:k].to(p.device), p, draws[k],
+                                     self._uniforms(request, positions, ACCEPT_STREAM),
+                                     self._uniforms(request, positions, RESIDUAL_STREAM))
+        self.controller.record(rid, k, verdict.num_accepted)
+        self._count(self._method.get(rid, self.config.method or ""), k, verdict.num_accepted)
+        return verdict.token_ids
+
+    def _uniforms(self, request: Request, positions: list[int], stream: int) -> list[float]:
+        seed = request.params.seed
+        if seed is None:
+            return self._rng.random(len(positions)).tolist()
+        return [seeded_uniform(seed, pos, stream) for pos in positions]
+
+    def _count(self, method: str, proposed: int, accepted: int) -> None:
+        s = self.stats
+        s.num_verifies += 1
+        s.num_draft_tokens += proposed
+        s.num_accepted_tokens += accepted
+        s.num_emitted_tokens += accepted + 1
+        per = s.by_method.setdefault(method, [0, 0, 0])
+        per[0] += 1
+        per[1] += proposed
+        per[2] += accepted
+
+    # ----- after the step
+
+    def finish_step(self, seqs: Sequence[ScheduledSeq], emitted: int, pure_decode: bool) -> None:
+        """Time the step (from `propose`) for the adaptive controller and the counters."""
+        seconds = time.perf_counter() - self._step_started
+        speculated = any(s.num_draft for s in seqs)
+        if speculated:
+            self.stats.num_verify_steps += 1
+            self.stats.verify_seconds += seconds
+        else:
+            self.stats.num_plain_steps += 1
+            self.stats.plain_seconds += seconds
+        if pure_decode and self._step_decoding:
+            self.controller.record_step(len(seqs), speculated, emitted, seconds)
+
+    def observe(self, features: StepFeatures) -> None:
+        for drafter in self.drafters.values():
+            if drafter.needs_features:
+                drafter.observe(features)
+
+    def release(self, request_id: str) -> None:
+        self._q.pop(request_id, None)
+        self._method.pop(request_id, None)
+        self.controller.release(request_id)
+        for drafter in self.drafters.values():
+            drafter.release(request_id)
