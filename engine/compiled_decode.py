@@ -241,6 +241,8 @@ class CompiledDecode:
     float32 logits `[len(batch.seqs), vocab]`. `compilations` counts graph compilations (it stays put once every
     bucket has run: `warmup` runs each one)."""
 
+    graph_name = "decode_step"
+
     def __init__(self, model: torch.nn.Module, cache: KVCache, max_batch: int, device: torch.device) -> None:
         _use_disk_cache()
         import torch.fx.experimental._config as fx_config
@@ -259,8 +261,9 @@ class CompiledDecode:
         self._layers_per_block = cache.tensor.shape[1]
         # NOTE: torch.compile keeps its graphs per code object, so every engine in a process (tests build dozens)
         # would share `_forward`'s cache and its recompile limit; each instance compiles its own copy of the code.
-        code = CompiledDecode._forward.__code__
-        forward = types.FunctionType(code.replace(co_name=f"decode_step_{id(self):x}"), globals())
+        code = type(self)._forward.__code__
+        forward = types.FunctionType(code.replace(co_name=f"{self.graph_name}_{id(self):x}"),
+                                     type(self)._forward.__globals__)
         self._graph = torch.compile(types.MethodType(forward, self), backend=self._backend, fullgraph=True,
                                     dynamic=None)
 

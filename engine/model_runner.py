@@ -12,6 +12,7 @@ import torch
 from engine.attention.backend import get_attention_backend
 from engine.batch import StepBatch
 from engine.compiled_decode import CompiledDecode, eager_forced
+from engine.compiled_verify import CompiledVerify
 from engine.kv_cache import KVCache
 from engine.loader import load_model, torch_dtype
 from engine.config import CacheConfig, ModelConfig, kv_storage_dtype
@@ -44,8 +45,9 @@ def _check_tables(batch: StepBatch, block_size: int) -> None:
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, attention: str = "torch",
                  moe_backend: str = "local", max_num_seqs: int = 64,
-                 log: Callable[[str], None] | None = None) -> None:
-        """`max_num_seqs` sizes the compiled decode step's largest bucket; `log` gets its progress lines."""
+                 log: Callable[[str], None] | None = None, speculative_tokens: int = 0) -> None:
+        """`max_num_seqs` sizes the compiled decode step's largest bucket; `log` gets its progress lines;
+        `speculative_tokens` > 0 also compiles the verify step (the last token + that many drafts per sequence)."""
         torch.manual_seed(model_config.seed)
         loaded = load_model(model_config, moe_backend)
         self.model, self.spec, self.tokenizer = loaded.model, loaded.spec, loaded.tokenizer
@@ -60,10 +62,15 @@ class ModelRunner:
         self.cache = KVCache(cache_config.num_blocks, self.spec.num_layers, cache_config.block_size,
                              self.spec.num_kv_heads, self.spec.head_dim, getattr(torch, self.kv_dtype), self.device)
         self.compiled: CompiledDecode | None = None
+        self.compiled_verify: CompiledVerify | None = None     # speculative verify steps (engine/compiled_verify.py)
         eager = model_config.enforce_eager
         if not (eager_forced() if eager is None else eager):
             self.compiled = CompiledDecode(self.model, self.cache, max_num_seqs, self.device)
             self.compiled.warmup(self.execute, log)
+            if speculative_tokens and not self.cache.quantized:
+                self.compiled_verify = CompiledVerify(self.model, self.cache, max_num_seqs, self.device,
+                                                      speculative_tokens + 1)
+                self.compiled_verify.warmup(self.execute, log)
 
     @property
     def kv_cache(self) -> torch.Tensor:
@@ -114,6 +121,8 @@ class ModelRunner:
         _check_tables(batch, self.block_size)
         if self.compiled is not None and self.compiled.supports(batch):
             return self._execute_compiled(batch)
+        if self.compiled_verify is not None and self.compiled_verify.supports(batch):
+            return self._execute_verify(batch)[0]
         hidden, logit_rows = self._forward(batch)
         if len(logit_rows) != hidden.shape[0]:
             hidden = hidden[torch.tensor(logit_rows, dtype=torch.int64, device=self.device)]  # [N, H]
@@ -122,8 +131,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_features(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(the logits `execute` gives, hidden states `[T, H]` of every computed position before the final norm,
-        in batch token order): what a draft head that reads the target's features needs. Always eager."""
+        in batch token order): what a draft head that reads the target's features needs."""
         _check_tables(batch, self.block_size)
+        if self.compiled_verify is not None and self.compiled_verify.supports(batch):
+            return self._execute_verify(batch)
         hidden, logit_rows = self._forward(batch)
         rows = hidden[torch.tensor(logit_rows, dtype=torch.int64, device=self.device)]   # [N, H]
         return self.model.logits(rows), hidden
@@ -149,3 +160,10 @@ class ModelRunner:
         # NOTE: the eager backend's derived state (its DecodeBuffer) does not see this step's cache writes
         self.attention.invalidate()
         return self.compiled.run(batch, cos, sin)                                      # [B, V]
+
+    def _execute_verify(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = [p for s in batch.seqs for p in range(s.start_pos, s.start_pos + len(s.token_ids))]
+        cos, sin = self.rope(batch, torch.tensor(positions, dtype=torch.int64, device=self.device),
+                             max(positions) + 1)                                       # [T, 1, D] each
+        self.attention.invalidate()
+        return self.compiled_verify.run_features(batch, cos, sin)                     # [N, V], [T, H]

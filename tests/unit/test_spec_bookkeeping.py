@@ -1,0 +1,172 @@
+"""Speculative decoding's bookkeeping and verification rules, without a model: the scheduler's verify steps, the
+n-gram drafter, the point-mass and sampled verifiers, and the adaptive length controller."""
+from __future__ import annotations
+
+import torch
+import pytest
+
+from engine.block_manager import BlockManager
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.config import SchedulerConfig, SpeculativeConfig
+from engine.spec.adaptive import AdaptiveLength
+from engine.spec.drafter import DraftInput
+from engine.spec.ngram import NgramDrafter
+from engine.spec.verify import residual_draw, verify_point_masses, verify_sampled
+from kvstore.hashing import Namespace, hash_block
+
+BS = 4
+ROOT = Namespace("test-model", "bs4", "float32").fingerprint()
+
+
+def make_scheduler(num_blocks: int = 16, **kw) -> Scheduler:
+    config = SchedulerConfig(**{"max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 64, **kw})
+    return Scheduler(config, BlockManager(num_blocks, BS, hash_block, ROOT), eos_token_ids=[0])
+
+
+def decoding_request(scheduler: Scheduler, num_prompt: int = 6, max_tokens: int = 16) -> Request:
+    """A request whose prompt ran and whose first token (7) was sampled: its next step is a decode."""
+    request = Request("r", list(range(100, 100 + num_prompt)), SamplingParams(max_tokens=max_tokens))
+    scheduler.add_request(request)
+    step = scheduler.schedule()
+    scheduler.update(step, [[7]])
+    return request
+
+
+# ----- scheduler
+
+def test_verify_step_schedules_last_token_and_drafts_with_their_logits():
+    scheduler = make_scheduler()
+    request = decoding_request(scheduler)
+    request.spec_token_ids = [8, 9, 10]
+    seq = scheduler.schedule().batch.seqs[0]
+    assert (seq.token_ids, seq.start_pos, seq.num_logits, seq.num_draft) == ([7, 8, 9, 10], 6, 4, 3)
+    assert len(seq.block_table) == 3          # positions 6..9 need blocks 1 and 2 as well
+
+
+def test_update_counts_only_accepted_drafts_as_computed():
+    scheduler = make_scheduler()
+    request = decoding_request(scheduler)
+    request.spec_token_ids = [8, 9, 10]
+    step = scheduler.schedule()
+    (update,) = scheduler.update(step, [[8, 42]])        # d_1 accepted, d_2 replaced by 42
+    assert update.new_token_ids == [8, 42]
+    assert request.num_computed_tokens == 8              # the last token and d_1; 42 is not computed yet
+    assert request.output_token_ids == [7, 8, 42]
+    scheduler.check_integrity()
+
+
+def test_drafts_are_trimmed_to_the_budget_and_to_max_tokens():
+    scheduler = make_scheduler(max_num_batched_tokens=3)
+    request = decoding_request(scheduler, num_prompt=3, max_tokens=16)
+    request.spec_token_ids = [8, 9, 10, 11]
+    assert scheduler.schedule().batch.seqs[0].num_draft == 2      # budget 3 = last token + 2 drafts
+    scheduler = make_scheduler()
+    request = decoding_request(scheduler, max_tokens=3)           # one output so far: room for 2 more
+    request.spec_token_ids = [8, 9, 10, 11]
+    assert scheduler.schedule().batch.seqs[0].num_draft == 1      # the bonus token is the last output
+
+
+def test_drafts_never_preempt_another_request():
+    scheduler = make_scheduler(num_blocks=3)
+    a = Request("a", [1, 2, 3], SamplingParams(max_tokens=7))
+    b = Request("b", [4, 5, 6], SamplingParams(max_tokens=7))
+    scheduler.add_request(a)
+    scheduler.add_request(b)
+    step = scheduler.schedule()
+    scheduler.update(step, [[7], [7]])                            # a in block 0, b in block 1, one block free
+    a.spec_token_ids = [8, 9, 10, 11, 12]                         # positions 4..8 would need two more blocks
+    step = scheduler.schedule()
+    assert not step.preempted
+    assert [(s.request_id, s.num_draft) for s in step.batch.seqs] == [("a", 0), ("b", 0)]
+    scheduler.check_integrity()
+
+
+# ----- n-gram drafter
+
+def ngram_proposal(tokens: list[int], k: int = 3, min_n: int = 1, max_n: int = 3, drafter=None) -> list[int]:
+    drafter = drafter or NgramDrafter(min_n, max_n)
+    request = Request("r", tokens, SamplingParams())
+    return drafter.propose([DraftInput(request, k, False)], [None])[0].token_ids
+
+
+def test_ngram_proposes_what_followed_the_latest_earlier_match():
+    #             a  b  c  X  Y  Z  a  b  c  P  Q  a  b  c
+    tokens = [1, 2, 3, 10, 11, 12, 1, 2, 3, 20, 21, 1, 2, 3]
+    assert ngram_proposal(tokens) == [20, 21, 1]
+    assert ngram_proposal([5, 6, 7]) == []
+    assert ngram_proposal([4, 9, 4], k=2) == [9, 4]                 # a 1-gram match: the longest tried first
+
+
+def test_ngram_index_grows_with_the_request():
+    drafter = NgramDrafter(1, 3)
+    request = Request("r", [1, 2, 3, 4], SamplingParams())
+    assert drafter.propose([DraftInput(request, 2, False)], [None])[0].token_ids == []
+    for t in (1, 2):
+        request.append_output(t)
+    assert drafter.propose([DraftInput(request, 2, False)], [None])[0].token_ids == [3, 4]
+    drafter.release("r")
+    drafter.release("unknown")
+
+
+# ----- verification
+
+def test_point_masses_accept_the_matching_prefix_then_the_target_token():
+    assert verify_point_masses([5, 6, 7], [5, 6, 9, 1]) == ([5, 6, 9], 2)
+    assert verify_point_masses([5, 6], [5, 6, 8]) == ([5, 6, 8], 2)      # all accepted: the bonus token
+    assert verify_point_masses([5], [4, 8]) == ([4], 0)
+
+
+def test_sampled_verifier_accepts_where_p_covers_q_and_resamples_the_residual():
+    p = torch.tensor([[0.5, 0.5, 0.0]])
+    q = torch.tensor([[0.25, 0.25, 0.5]])
+    assert verify_sampled([0], q, p, bonus=2, accept_u=[0.99], residual_u=[0.0]) == ([0, 2], 1)  # p/q = 2
+    # token 2 has p = 0: always rejected; the residual max(0, p - q) = [0.25, 0.25, 0] normalised
+    assert verify_sampled([2], q, p, bonus=0, accept_u=[0.0], residual_u=[0.6]) == ([1], 0)
+    assert residual_draw(p[0], q[0], 0.1) == 0
+
+
+def test_broken_verifier_accepts_with_p():
+    p = torch.tensor([[0.5, 0.5, 0.0]])
+    q = torch.tensor([[0.25, 0.25, 0.5]])
+    assert verify_sampled([0], q, p, bonus=2, accept_u=[0.6], residual_u=[0.0], broken=True).num_accepted == 0
+
+
+# ----- adaptive length
+
+def test_adaptive_length_follows_acceptance():
+    controller = AdaptiveLength(max_tokens=4)
+    assert controller.length("r") >= 1                       # the prior: worth a try
+    for _ in range(20):
+        controller.record("r", 4, 4)
+    assert controller.length("r") == 4
+    for _ in range(30):
+        controller.record("r", 4, 0)
+    assert controller.length("r") == 0                       # off for this request, ...
+    lengths = [controller.length("r") for _ in range(controller.probe_every)]
+    assert lengths.count(1) == 1                             # ... but probed again now and then
+
+
+def test_batch_stops_speculating_when_plain_steps_are_faster_and_explores():
+    controller = AdaptiveLength(max_tokens=4, explore_every=4)
+    assert controller.speculate_batch(8)                     # unknown: try speculation
+    controller.record_step(8, True, tokens=16, seconds=1.0)  # 16 tok/s speculating
+    assert not controller.speculate_batch(8)                 # plain not measured yet: measure it
+    controller.record_step(8, False, tokens=8, seconds=0.25)  # 32 tok/s plain
+    decisions = []
+    for _ in range(6):
+        choice = controller.speculate_batch(8)
+        decisions.append(choice)
+        controller.record_step(8, choice, 8 if not choice else 16, 0.25 if not choice else 1.0)
+    assert decisions.count(False) >= 4 and True in decisions   # plain wins, speculation re-measured once
+    assert controller.speculate_batch(1)                     # another batch size is measured on its own
+
+
+def test_speculative_config_names_the_field():
+    with pytest.raises(ValueError, match="speculative method"):
+        SpeculativeConfig("medusa")
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        SpeculativeConfig("ngram", num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="speculative must be one of"):
+        SamplingParams(speculative="on")
