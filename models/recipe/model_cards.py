@@ -1,14 +1,17 @@
-"""Write the model cards (README.md) of both bundled models from what the runs measured.
+"""Write the model cards (README.md) of the bundled models from what the runs measured.
 
-    python models/recipe/model_cards.py
+    python models/recipe/model_cards.py               # all three
+    python models/recipe/model_cards.py --only eagle  # one of target, draft, eagle
 
 Every number in a card comes from ``loss_curve.json`` (written by ``train.py``), ``distill.json`` (written by
-``distill_draft.py``), the saved config, or the two samples this script generates (greedy, and seeded
-temperature 0.8 / top-p 0.95) from the prompt ``def fibonacci(n):``. Nothing is typed in by hand.
+``distill_draft.py``), ``eagle.json`` (written by ``train_eagle.py``), the saved config, or the two samples this
+script generates (greedy, and seeded temperature 0.8 / top-p 0.95) from the prompt ``def fibonacci(n):``. Nothing
+is typed in by hand.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -18,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from prepare_data import HELDOUT_LIST, REPO_ROOT, TRAIN_LIST, read_list
 
 MODELS = REPO_ROOT / "models"
-TARGET, DRAFT = MODELS / "strata-moe-tiny", MODELS / "strata-draft-tiny"
+TARGET, DRAFT, EAGLE = MODELS / "strata-moe-tiny", MODELS / "strata-draft-tiny", MODELS / "strata-eagle-tiny"
 PROMPT = "def fibonacci(n):"
 REPRODUCE = """```bash
 python models/recipe/prepare_data.py lists
@@ -241,16 +244,126 @@ See `models/README.md` (the draft needs the trained target).
 """
 
 
+def eagle_command(e: dict) -> str:
+    return (f"OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 python models/recipe/train_eagle.py --minutes {e['minutes']:g} "
+            f"--seed {e['seed']} --unroll {e['unroll']} --feat-weight {e['feat_weight']:g} --intermediate "
+            f"{e['intermediate_size']} --lr {e['lr']:g} \\\n    --target models/{e['target']} --out models/strata-eagle-tiny")
+
+
+def multistep_rows(m: dict) -> str:
+    e, d = m["eagle"]["p_first_j_match"], m["draft_model"]["p_first_j_match"]
+    return "\n".join(f"| {j + 1} | {100 * e[j]:.1f}% | {100 * d[j]:.1f}% |" for j in range(len(e)))
+
+
+def eagle_card(e: dict, cfg: dict, draft: dict) -> str:
+    m = e["multistep"]
+    k = m["draft_steps"]
+    ea, da = m["eagle"], m["draft_model"]
+    kl = ", ".join(f"step {i + 1}: {v:.3f}" for i, v in enumerate(e["final_kl"]))
+    return f"""# strata-eagle-tiny
+
+An EAGLE-style speculative-decoding draft head for `strata-moe-tiny`, trained in {e['train_seconds'] / 60:.0f}
+minutes on one CPU thread. It is not a language model on its own: it reads the target's hidden features and
+borrows the target's token embedding, final norm and LM head, so it only runs inside an engine that serves
+`strata-moe-tiny` (the exact weights: `config.json` records their sha256). Same tokenizer (byte-identical files).
+
+## Architecture (the checkpoint contract)
+
+Notation: f_i is the target's **last decoder layer output at position i, before its final RMSNorm** (not HF's
+`output_hidden_states[-1]`, which is after the norm); t_i the token at i.
+
+1. x_i = `fc`(concat[embed(t_(i+1)), f_i]), `fc` = Linear(2 x {cfg['hidden_size']} -> {cfg['hidden_size']}, with bias); embed is the
+   target's (frozen) token embedding.
+2. g_i = one `Qwen3DecoderLayer` (transformers semantics) on x: RMSNorm, attention with per-head q/k RMSNorm,
+   RoPE at position i (theta {cfg['rope_theta']:g}, default rope), {cfg['num_attention_heads']} query heads, {cfg['num_key_value_heads']} KV heads, head_dim {cfg['head_dim']}, causal over the
+   head's own positions 0..i; residual; RMSNorm; SiLU-gated MLP, intermediate size **{cfg['intermediate_size']}**; residual.
+3. g_i predicts f_(i+1); the draft logits for t_(i+2) are the target's lm_head(final_norm(g_i)).
+
+Drafting after the target verified position n: (t_(n+1), f_n) -> g_n -> d_(n+2) = argmax; then (d_(n+2), g_n) ->
+g_(n+1) -> d_(n+3); and so on, the head's own g replacing the target's features. Tensors (bfloat16 safetensors,
+{size_mb(EAGLE):.1f} MB, **{e['params']:,} parameters**): `fc.weight`, `fc.bias` and `layers.0.*` with HF Qwen3 names
+(`input_layernorm`, `self_attn.{{q,k,v,o}}_proj`, `self_attn.{{q,k}}_norm`, `post_attention_layernorm`,
+`mlp.{{gate,up,down}}_proj`). `config.json` has `"architectures": ["StrataEagleHead"]`, the Qwen3 layer fields and
+`eagle.target_weights_sha256`; it does not load with `transformers.AutoModel`.
+
+## Training
+
+- Initialisation: attention and both norms copied from the target's last layer (same shapes), MLP fresh,
+  `fc` the identity on the feature half and a random token half scaled to the features' magnitude.
+- Objective, per draft step: KL(target || draft) on the draft's logits for t_(n+2) (soft-label cross-entropy
+  against the target's distribution, as for `strata-draft-tiny`) + {e['feat_weight']:g} x smooth-L1(g_n, f_(n+1)).
+  **{e['unroll']} unrolled steps**: step 2 feeds the head its own step-1 output instead of the target's feature
+  (training-time test, as in HASS / EAGLE-3), which is what drafting does from the second token on.
+- The target runs under `torch.inference_mode` with bf16 autocast; the target is frozen throughout.
+- Data: random {e['seq_len']}-token windows of the same train split as the target ({len(read_list(TRAIN_LIST))} stdlib files).
+- Tokens seen: **{e['tokens']:,}** ({e['steps']:,} steps of {e['batch']} x {e['seq_len']}).
+- Wall clock: **{e['train_seconds'] / 60:.1f} minutes** on **1 CPU thread** (Intel Xeon, AMX, bf16 autocast; the
+  machine's second core was shared with other work), target forward passes included.
+- AdamW (betas 0.9/0.95, weight decay {e['weight_decay']:g} on the layer's matrices, none on `fc`), peak LR {e['lr']:g},
+  {e['warmup_steps']} warmup steps, cosine over the time budget down to {e['min_lr_ratio']:g} x peak, grad-norm clip 1.0, seed {e['seed']}.
+- Final training KL (nats/token): {kl}.
+
+## Results (held-out split; the shipped bfloat16 weights)
+
+Step 1, teacher-forced target features, {e['step1_positions']:,} positions ({e['heldout_windows']} {e['seq_len']}-token windows; the
+draft model's numbers count the predictions of t_1..t_512 of the same windows, the head's those of t_2..t_513):
+
+| | strata-eagle-tiny | strata-draft-tiny (`distill.json`) |
+|---|---|---|
+| top-1 agreement with the target | **{100 * e['top1_agreement']:.1f}%** | {100 * draft['top1_agreement']:.1f}% |
+| expected acceptance at temperature 1 (mean sum min(p_target, p_draft)) | **{100 * e['expected_acceptance_t1']:.1f}%** | {100 * draft['expected_acceptance_t1']:.1f}% |
+| perplexity on the true tokens | {e['head_heldout_perplexity']:.1f} | {draft['draft_heldout_perplexity']:.1f} |
+
+Multi-step greedy drafting, {ea['starts']:,} start positions ({m['windows']} evenly spaced held-out windows of
+{m['seq_len']} tokens), the same starts for both drafters. Each drafts {k} tokens on its own outputs from context
+t_0..t_(n+1); the target then verifies the chain as speculative decoding does (one pass over the context plus the
+drafts), so its greedy token for draft j is conditioned on drafts 1..j-1.
+
+| j | P(first j drafts all match), eagle head | same, `strata-draft-tiny` |
+|---|---|---|
+{multistep_rows(m)}
+
+Expected tokens per target forward with greedy verification, 1 + sum over j <= k of P(first j match):
+**{ea[f'accepted_per_forward_k{k - 1}']:.2f}** with {k - 1} drafts ({ea[f'accepted_per_forward_k{k}']:.2f} with {k}) for the head, against
+{da[f'accepted_per_forward_k{k - 1}']:.2f} ({da[f'accepted_per_forward_k{k}']:.2f}) for `strata-draft-tiny`. The head is also cheaper per draft token: one decoder
+layer on {cfg['hidden_size']} wide features against the draft model's {json.loads((DRAFT / 'config.json').read_text())['num_hidden_layers']} layers (both then pay one {cfg['vocab_size']}-way LM head).
+
+## Intended use and limitations
+
+Draft head for Strata's speculative-decoding path and its tests, with `strata-moe-tiny` only: any other target
+(or other weights of it) gives it meaningless features. The numbers above are on held-out stdlib text, which
+shares idioms with the train split; acceptance on the target's own free generations was not measured.
+
+## Reproduce
+
+```bash
+python models/recipe/prepare_data.py tokenize --tokenizer models/strata-moe-tiny
+{eagle_command(e)}
+python models/recipe/model_cards.py --only eagle
+```
+
+Needs the trained target (see `models/README.md`). `--eval-only` re-measures a saved head.
+"""
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", choices=("target", "draft", "eagle"), help="write just this card")
+    only = parser.parse_args().only
     meta = json.loads((REPO_ROOT / "runs" / "data" / "meta.json").read_text())
     curve = json.loads((TARGET / "loss_curve.json").read_text())
     curve["data"] = meta
     draft = json.loads((DRAFT / "distill.json").read_text())
     target_cfg = json.loads((TARGET / "config.json").read_text())
     draft_cfg = json.loads((DRAFT / "config.json").read_text())
-    (TARGET / "README.md").write_text(target_card(curve, target_cfg, samples(TARGET), draft))
-    (DRAFT / "README.md").write_text(draft_card(draft, draft_cfg, samples(DRAFT), curve))
-    print(f"wrote {TARGET / 'README.md'} and {DRAFT / 'README.md'}")
+    if only in (None, "target"):
+        (TARGET / "README.md").write_text(target_card(curve, target_cfg, samples(TARGET), draft))
+    if only in (None, "draft"):
+        (DRAFT / "README.md").write_text(draft_card(draft, draft_cfg, samples(DRAFT), curve))
+    if only in (None, "eagle"):
+        eagle = json.loads((EAGLE / "eagle.json").read_text())
+        (EAGLE / "README.md").write_text(eagle_card(eagle, json.loads((EAGLE / "config.json").read_text()), draft))
+    print(f"wrote the {only or 'target, draft and eagle'} card(s)")
 
 
 if __name__ == "__main__":
