@@ -27,8 +27,8 @@ from kvstore.transfer import TransferConfig, create_agent
 from strata.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from worker_common.admission import admit
 from worker_common.config import WorkerConfig
-from worker_common.convert import (InvalidArgument, check_handle, check_prompt, check_vocab, logprobs_to_proto,
-                                   sampling_from_proto)
+from worker_common.convert import (InvalidArgument, check_handle, check_prompt, check_speculative, check_vocab,
+                                   logprobs_to_proto, sampling_from_proto)
 from worker_common.engine_loop import failure_of
 from worker_common.engine_setup import EngineBundle
 from worker_common.kv_blocks import cacheable_blocks, store_computed_blocks
@@ -196,8 +196,8 @@ class DecodeService(WorkerBase):
     def _validate(self, sampling, token_ids, context) -> tuple[SamplingParams, list[int]]:
         try:
             vocab = self.bundle.runner.vocab_size
-            return (check_vocab(sampling_from_proto(sampling), vocab),
-                    check_prompt(token_ids, vocab, self.bundle.max_model_len))
+            params = check_speculative(sampling_from_proto(sampling), self.bundle.engine.speculation)
+            return check_vocab(params, vocab), check_prompt(token_ids, vocab, self.bundle.max_model_len)
         except InvalidArgument as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 

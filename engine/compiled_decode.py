@@ -280,7 +280,7 @@ class CompiledDecode:
         meta = GraphMeta(rows, tables.reshape(-1), _window_masks(positions, span, self.windows), offsets)
         caches = [(flat, i) for i in range(len(self.model.layers))]
         hidden = self.model(input_ids, cos, sin, self.attention, caches, meta)   # [B, H]
-        return self.model.logits(hidden)                                         # [B, V] float32
+        return self.model.logits(hidden), hidden                                 # [B, V] float32, [B, H]
 
     def bucket(self, size: int) -> int:
         return next(b for b in self.buckets if b >= size)
@@ -315,11 +315,18 @@ class CompiledDecode:
                 as_tensor(pos), self.flat)
 
     def run(self, batch: StepBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return self.run_features(batch, cos, sin)[0]
+
+    def run_features(self, batch: StepBatch, cos: torch.Tensor, sin: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits `[B, V]`, the last hidden states before the final norm `[B, H]`: an EAGLE head's features)."""
         args = self.inputs(batch, cos, sin)
         self._mark(args)
-        logits = self._graph(*args)
-        logits = logits[:len(batch.seqs)]
-        return logits.clone() if self.device.type == "cuda" else logits   # CUDA graphs reuse their outputs
+        logits, hidden = self._graph(*args)
+        logits, hidden = logits[:len(batch.seqs)], hidden[:len(batch.seqs)]
+        if self.device.type == "cuda":      # CUDA graphs reuse their outputs
+            logits, hidden = logits.clone(), hidden.clone()
+        return logits, hidden
 
     def _mark(self, args: tuple[torch.Tensor, ...]) -> None:
         ids, cos, sin, rows, tables, pos, _ = args

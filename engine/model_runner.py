@@ -133,6 +133,8 @@ class ModelRunner:
         """(the logits `execute` gives, hidden states `[T, H]` of every computed position before the final norm,
         in batch token order): what a draft head that reads the target's features needs."""
         _check_tables(batch, self.block_size)
+        if self.compiled is not None and self.compiled.supports(batch):
+            return self._execute_compiled(batch, features=True)
         if self.compiled_verify is not None and self.compiled_verify.supports(batch):
             return self._execute_verify(batch)
         hidden, logit_rows = self._forward(batch)
@@ -153,12 +155,14 @@ class ModelRunner:
             raise
         return hidden, logit_rows
 
-    def _execute_compiled(self, batch: StepBatch) -> torch.Tensor:
+    def _execute_compiled(self, batch: StepBatch, features: bool = False):
         positions = [s.start_pos for s in batch.seqs]
         cos, sin = self.rope(batch, torch.tensor(positions, dtype=torch.int64, device=self.device),
                              max(positions) + 1)                                       # [B, 1, D] each
         # NOTE: the eager backend's derived state (its DecodeBuffer) does not see this step's cache writes
         self.attention.invalidate()
+        if features:
+            return self.compiled.run_features(batch, cos, sin)                         # [B, V], [B, H]
         return self.compiled.run(batch, cos, sin)                                      # [B, V]
 
     def _execute_verify(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -143,8 +143,10 @@ class PrefillService(WorkerBase):
         chunks = ChunkInstaller(self.loop, cacheable, job.prompt)  # installs while later blocks are read
         loaded = load_prefix(self.bundle, self.store, cacheable, job.fingerprint, plan, on_chunk=chunks)
         load_s = time.perf_counter() - started
-        # The engine stops after the first token; stop strings stay on the worker's text side.
-        params = dataclasses.replace(engine_params(job.params), max_tokens=1, min_tokens=min(job.params.min_tokens, 1))
+        # The engine stops after the first token; stop strings stay on the worker's text side. One token is never
+        # speculated: the request's `speculative` is its decode worker's business (checked there and by the router).
+        params = dataclasses.replace(engine_params(job.params), max_tokens=1, min_tokens=min(job.params.min_tokens, 1),
+                                     speculative=None)
         try:
             installed = self.loop.post(lambda: admit(self.loop, job, job.request_id, job.prompt, params,
                                                      job.fingerprint, cacheable, loaded.payloads)).result()

@@ -20,7 +20,7 @@ from router.policy import NoWorkerError, Policy, RouteDecision, RouteRequest
 from router.registry import WorkerRegistry
 from router.request_run import RequestRun, StepFailed
 from router.served_model import ServedModel
-from router.validation import ApiError, GenerateParams, ModelLimits, check_prompt, effective_salt
+from router.validation import ApiError, GenerateParams, ModelLimits, check_prompt, effective_salt, invalid
 from strata.v1 import common_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -110,6 +110,7 @@ class Dispatcher:
         grpc_door = door == "grpc"
         sampling = check_prompt(params, prompt, model.limits, ids_param="prompt.token_ids" if grpc_door else "prompt",
                                 bias_param="sampling.logit_bias" if grpc_door else "logit_bias")
+        self._check_drafter(model.id, sampling.speculative, "sampling.speculative" if grpc_door else "speculative")
         default = self.config.default_timeout_s
         timeout = default if timeout_s is None else min(timeout_s, default)
         run = RequestRun(self, params, model, prompt, sampling, effective_salt(params.cache_salt, identity),
@@ -123,6 +124,17 @@ class Dispatcher:
                                                                    f"in flight; retry with backoff")
             self._inflight[params.request_id] = run
         return run
+
+    def _check_drafter(self, model_id: str, wanted: str | None, param: str) -> None:
+        """A drafter that no READY decode worker of the model loaded is the caller's error, refused before anything
+        runs (never a request that hangs, or that a prefill worker computes for nothing). "off" always works."""
+        if wanted in (None, "off"):
+            return
+        loaded = self.registry.speculative_methods(model_id)
+        if loaded is not None and wanted not in loaded:
+            runs = f"run {', '.join(sorted(loaded))}" if loaded else "do not speculate"
+            raise invalid(param, f"{param} {wanted!r} is not available: the decode workers of model {model_id!r} "
+                                 f"{runs} (start them with --speculative {wanted}); 'off' always works")
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -148,7 +160,9 @@ class Dispatcher:
         """The policy's choice among READY workers not yet tried; a decoder alone when the prefill pool is out
         (or tokens already reached the client)."""
         ns = run.model.namespace
-        view = self.registry.load_view(run.model.id, exclude=excluded, kv=(ns.model_fingerprint, ns.kv_dtype))
+        drafter = run.sampling.speculative if run.sampling.speculative not in ("", "off") else None
+        view = self.registry.load_view(run.model.id, exclude=excluded, kv=(ns.model_fingerprint, ns.kv_dtype),
+                                       speculative=drafter)
         with self._lock:
             self._seq += 1
             seq = self._seq

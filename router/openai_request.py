@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
 
-from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from engine.sampling_params import MAX_LOGPROBS, SPECULATIVE_CHOICES, SamplingParams
 from router.validation import (MAX_SEED, GenerateParams, ModelLimits, build_sampling, draw_seed, invalid,
                                resolve_model)
 
@@ -168,7 +168,8 @@ def _openai_sampling(body: Mapping[str, Any], max_tokens_keys: Sequence[str],
         frequency_penalty=_number(body, "frequency_penalty", 0.0), logprobs=logprobs, logprobs_param=logprobs_param,
         logit_bias=_logit_bias(body), min_tokens=_integer(body, "min_tokens", 0),
         prompt_logprobs=_prompt_logprobs(body, logprobs, chat), prompt_logprobs_param=(
-            "logprobs" if body.get("prompt_logprobs") is None else "prompt_logprobs"))
+            "logprobs" if body.get("prompt_logprobs") is None else "prompt_logprobs"),
+        speculative=_typed(body, "speculative", (str,), f"one of {', '.join(SPECULATIVE_CHOICES)}", None))
     return sampling, explicit
 
 

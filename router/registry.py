@@ -84,6 +84,7 @@ class WorkerRecord:
     transfer_backends: tuple[str, ...] = ()
     tiers: tuple[str, ...] = ()
     probed: bool = False
+    speculative_methods: tuple[str, ...] = ()   # drafters a request may ask for here (none: it never speculates)
 
     def __post_init__(self) -> None:
         for name in ("id", "address"):
@@ -109,6 +110,29 @@ class LoadFigures:
 
 
 @dataclass(frozen=True)
+class SpecFigures:
+    """A worker's speculative decoding as it reports it (SpeculativeStats without the proto); counters since its
+    start."""
+
+    method: str
+    num_speculative_tokens: int = 0
+    verifies: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    emitted_tokens: int = 0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return self.emitted_tokens / self.verifies if self.verifies else 0.0
+
+
+@dataclass(frozen=True)
 class WorkerView:
     """A consistent snapshot of one entry."""
 
@@ -119,6 +143,7 @@ class WorkerView:
     inflight: int                 # requests the router has on it now
     recent_busy_s: float
     last_kv_event_seq: int | None
+    speculative: SpecFigures | None = None   # the last heartbeat's; None: it does not speculate (or said nothing yet)
 
 
 @dataclass
@@ -133,6 +158,7 @@ class _Entry:
     busy_s: float = 0.0                       # decayed sum, as of busy_at
     busy_at: float = 0.0
     last_kv_event_seq: int | None = None
+    speculative: SpecFigures | None = None
 
 
 Listener = Callable[..., None]
@@ -173,13 +199,16 @@ class WorkerRegistry:
         return old is not None
 
     def heartbeat(self, worker_id: WorkerId, load: LoadFigures | None = None,
-                  last_kv_event_seq: int | None = None) -> State:
-        """Refresh liveness (and load); the state to tell the worker. `UnknownWorker` for unknown or dead ids."""
+                  last_kv_event_seq: int | None = None, speculative: SpecFigures | None = None) -> State:
+        """Refresh liveness (and load, speculative counters); the state to tell the worker. `UnknownWorker` for
+        unknown or dead ids."""
         with self._lock:
             entry = self._live(worker_id)
             entry.last_seen, entry.last_heartbeat_unix_ms = self._clock(), self._wall_ms()
             if load is not None:
                 entry.load = load
+            if speculative is not None:
+                entry.speculative = speculative
             if last_kv_event_seq is not None:
                 entry.last_kv_event_seq = last_kv_event_seq
             return entry.state
@@ -242,16 +271,27 @@ class WorkerRegistry:
                 entry.inflight = max(0, entry.inflight - 1)
 
     def load_view(self, model_id: str | None = None, exclude: Iterable[WorkerId] = (),
-                  kv: tuple[str, str] | None = None) -> LoadView:
+                  kv: tuple[str, str] | None = None, speculative: str | None = None) -> LoadView:
         """The READY workers (of a model; with `kv` = (model fingerprint, kv dtype), only those whose KV is
-        compatible: `ModelFacts.kv_compatible`), as the policy sees them."""
+        compatible: `ModelFacts.kv_compatible`; with `speculative` = a drafter, only the decode workers that loaded
+        it, prefill workers all the same), as the policy sees them."""
         skip = set(exclude)
         with self._lock:
             loads = [self._policy_load(e) for e in self._entries.values()
                      if e.state == "ready" and e.record.id not in skip
                      and (model_id is None or e.record.model.id == model_id)
-                     and (kv is None or e.record.model.kv_compatible(*kv))]
+                     and (kv is None or e.record.model.kv_compatible(*kv))
+                     and (speculative is None or e.record.role == "prefill"
+                          or speculative in e.record.speculative_methods)]
         return LoadView.of(loads)
+
+    def speculative_methods(self, model_id: str) -> set[str] | None:
+        """The drafters the READY decode workers of a model loaded, together; None when no decode worker is READY
+        (routing then answers UNAVAILABLE, whatever the request asks for)."""
+        with self._lock:
+            decoders = [e.record for e in self._entries.values() if e.state == "ready"
+                        and e.record.role in ("decode", "both") and e.record.model.id == model_id]
+        return None if not decoders else {m for r in decoders for m in r.speculative_methods}
 
     # ---- queries --------------------------------------------------------------------------------------------
 
@@ -298,7 +338,7 @@ class WorkerRegistry:
 
     def _view(self, e: _Entry) -> WorkerView:
         return WorkerView(e.record, e.state, e.load, e.last_heartbeat_unix_ms, e.inflight, self._decayed(e),
-                          e.last_kv_event_seq)
+                          e.last_kv_event_seq, e.speculative)
 
     def _notify_down(self, worker_ids: list[WorkerId]) -> None:
         for wid in worker_ids:
@@ -306,5 +346,5 @@ class WorkerRegistry:
                 fn(wid)
 
 
-__all__ = ["LoadFigures", "ModelFacts", "RegistryConfig", "UnknownWorker", "WorkerRecord", "WorkerRegistry",
-           "WorkerView", "ROLES"]
+__all__ = ["LoadFigures", "ModelFacts", "RegistryConfig", "SpecFigures", "UnknownWorker", "WorkerRecord",
+           "WorkerRegistry", "WorkerView", "ROLES"]

@@ -23,7 +23,8 @@ from router.dispatch import GRPC_OPTIONS, Dispatcher
 from router.served_model import ServedModel
 from router.events_feed import EventsFeed
 from router.index import SHARED_TIERS
-from router.registry import LoadFigures, ModelFacts, UnknownWorker, WorkerRecord, WorkerRegistry, WorkerView
+from router.registry import (LoadFigures, ModelFacts, SpecFigures, UnknownWorker, WorkerRecord, WorkerRegistry,
+                             WorkerView)
 from router.validation import ApiError, from_grpc
 from strata.v1 import common_pb2, router_pb2, router_pb2_grpc, strata_pb2, strata_pb2_grpc, worker_pb2
 
@@ -55,7 +56,28 @@ def record_from_proto(info: common_pb2.WorkerInfo, probed: bool = False) -> Work
     model = ModelFacts(info.model.id, info.model.max_model_len, kv.model_fingerprint, kv.kv_layout, kv.kv_dtype,
                        kv.block_size)
     return WorkerRecord(info.id, _ROLE_NAME[info.role], info.address, model, info.kv_events_endpoint,
-                        info.kv_replay_endpoint, tuple(info.transfer_backends), tuple(info.tiers), probed)
+                        info.kv_replay_endpoint, tuple(info.transfer_backends), tuple(info.tiers), probed,
+                        tuple(info.speculative.methods))
+
+
+def spec_from_proto(stats: common_pb2.SpeculativeStats, present: bool) -> SpecFigures | None:
+    """A heartbeat's (or Stats') speculative counters; None when the worker sent none (it does not speculate)."""
+    if not present:
+        return None
+    return SpecFigures(stats.method, stats.num_speculative_tokens, stats.verifies, stats.draft_tokens,
+                       stats.accepted_tokens, stats.emitted_tokens, stats.draft_seconds, stats.verify_seconds)
+
+
+def spec_to_proto(spec: SpecFigures | None, methods: Sequence[str]) -> common_pb2.SpeculativeStats | None:
+    """What `ListWorkers` reports: the drafters from the registration, the counters from the last heartbeat."""
+    if spec is None and not methods:
+        return None
+    spec = spec or SpecFigures(method="")
+    return common_pb2.SpeculativeStats(
+        method=spec.method, methods=list(methods), num_speculative_tokens=spec.num_speculative_tokens,
+        verifies=spec.verifies, draft_tokens=spec.draft_tokens, accepted_tokens=spec.accepted_tokens,
+        emitted_tokens=spec.emitted_tokens, draft_seconds=spec.draft_seconds, verify_seconds=spec.verify_seconds,
+        acceptance_rate=spec.acceptance_rate, mean_accepted_length=spec.mean_accepted_length)
 
 
 def load_from_proto(load: common_pb2.WorkerLoad) -> LoadFigures:
@@ -90,7 +112,8 @@ def view_to_proto(view: WorkerView, models: dict[str, ServedModel]) -> common_pb
                                    pending_prefill_tokens=load.pending_prefill_tokens,
                                    running_tokens=load.running_tokens, backlog_s=load.backlog_s),
         kv_events_endpoint=r.kv_events_endpoint, kv_replay_endpoint=r.kv_replay_endpoint,
-        transfer_backends=r.transfer_backends, tiers=r.tiers, last_heartbeat_unix_ms=view.last_heartbeat_unix_ms)
+        transfer_backends=r.transfer_backends, tiers=r.tiers, last_heartbeat_unix_ms=view.last_heartbeat_unix_ms,
+        speculative=spec_to_proto(view.speculative, r.speculative_methods))
 
 
 def _abort_with(context: grpc.ServicerContext, exc: ApiError) -> None:
@@ -260,6 +283,8 @@ class RegistryService(router_pb2_grpc.RegistryServicer):
         except ApiError as exc:
             _abort_with(context, exc)
         self.registry.register(record)
+        if request.worker.HasField("speculative"):  # its drafter and counters count as its first heartbeat
+            self.registry.heartbeat(record.id, speculative=spec_from_proto(request.worker.speculative, True))
         log.info("worker %s registered (%s at %s)", record.id, record.role, record.address)
         cfg = self.registry.config
         return router_pb2.RegisterWorkerResponse(worker_id=record.id, heartbeat_interval_ms=cfg.heartbeat_interval_ms,
@@ -269,7 +294,8 @@ class RegistryService(router_pb2_grpc.RegistryServicer):
         published = request.kv_event_batches_published
         last_seq = published - 1 if published else None
         try:
-            state = self.registry.heartbeat(request.worker_id, load_from_proto(request.load), last_seq)
+            state = self.registry.heartbeat(request.worker_id, load_from_proto(request.load), last_seq,
+                                            spec_from_proto(request.speculative, request.HasField("speculative")))
         except UnknownWorker:
             context.abort(grpc.StatusCode.NOT_FOUND, f"worker_id {request.worker_id!r} is not registered (or was "
                                                      f"declared dead): register again")
@@ -328,14 +354,15 @@ class WorkerProbe:
             return  # silence: the sweep declares it dead after the heartbeat timeout
         wid = health_answer.worker_id
         load = load_from_proto(stats.load)
+        spec = spec_from_proto(stats.speculative, stats.HasField("speculative"))
         try:
-            state = self.registry.heartbeat(wid, load)
+            state = self.registry.heartbeat(wid, load, speculative=spec)
             if state == "ready" and health_answer.state == common_pb2.WORKER_STATE_DRAINING:
                 self.registry.drain(wid)
         except UnknownWorker:
             record = self._record(wid, address, health_answer, stats)
             self.registry.register(record)
-            self.registry.heartbeat(wid, load)
+            self.registry.heartbeat(wid, load, speculative=spec)
             log.info("worker %s found at %s (%s)", wid, address, record.role)
 
     def _record(self, wid: str, address: str, health_answer, stats) -> WorkerRecord:
@@ -349,7 +376,8 @@ class WorkerProbe:
             pass
         tiers = tuple(t.tier for t in stats.cache.tiers)
         return WorkerRecord(wid, _ROLE_NAME.get(health_answer.role, "both"), address,
-                            ModelFacts(self.model.id, self.model.max_model_len), tiers=tiers, probed=True)
+                            ModelFacts(self.model.id, self.model.max_model_len), tiers=tiers, probed=True,
+                            speculative_methods=tuple(stats.speculative.methods))
 
     def stop(self) -> None:
         self._stop.set()

@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import grpc
 
-from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from engine.sampling_params import MAX_LOGPROBS, SPECULATIVE_CHOICES, SamplingParams
 
 DEFAULT_MAX_TOKENS = 64
 MAX_TEMPERATURE = 100.0
@@ -93,7 +93,7 @@ def build_sampling(prefix: str, *, max_tokens: int | None, temperature: float, t
                    frequency_penalty: float = 0.0, logprobs: int | None = None,
                    logprobs_param: str = "logprobs", logit_bias: Mapping[int, float] | None = None,
                    min_tokens: int = 0, prompt_logprobs: int | None = None,
-                   prompt_logprobs_param: str = "prompt_logprobs") -> SamplingParams:
+                   prompt_logprobs_param: str = "prompt_logprobs", speculative: str | None = None) -> SamplingParams:
     """Range checks with the door's field names; an unset seed is drawn here, so a retry on another worker
     continues the same random stream (docs/api.md: "the same tokens on any worker, after a failover too")."""
     if max_tokens is not None and max_tokens < 1:
@@ -125,6 +125,7 @@ def build_sampling(prefix: str, *, max_tokens: int | None, temperature: float, t
                                                  f"[-100, 100], got {token_id}: {value}")
     if any(not isinstance(s, str) or not s for s in stop):
         raise invalid(f"{prefix}stop", f"{prefix}stop strings must be non-empty strings, got {list(stop)!r}")
+    check_speculative(speculative, f"{prefix}speculative")
     if seed is None and draw_seed is not None:
         seed = draw_seed()
     return SamplingParams(max_tokens=max_tokens or DEFAULT_MAX_TOKENS, temperature=float(temperature),
@@ -134,7 +135,16 @@ def build_sampling(prefix: str, *, max_tokens: int | None, temperature: float, t
                           repetition_penalty=1.0 if repetition_penalty is None else float(repetition_penalty),
                           presence_penalty=float(presence_penalty), frequency_penalty=float(frequency_penalty),
                           logprobs=logprobs, logit_bias=tuple((logit_bias or {}).items()),
-                          min_tokens=min_tokens, prompt_logprobs=prompt_logprobs)
+                          min_tokens=min_tokens, prompt_logprobs=prompt_logprobs, speculative=speculative)
+
+
+def check_speculative(value: str | None, param: str) -> str | None:
+    """A request's drafter: unset (the decode worker's own), "off", or one a decode worker may have loaded (whether
+    one did is the dispatcher's check, once the workers are known: `Dispatcher.start`)."""
+    if value is not None and value not in SPECULATIVE_CHOICES:
+        raise invalid(param, f"{param} must be one of {', '.join(SPECULATIVE_CHOICES)} (or unset: the decode "
+                             f"worker's own), got {value!r}")
+    return value
 
 
 def check_request_id(request_id: str, param: str = "request_id") -> str:
@@ -200,7 +210,8 @@ def from_grpc(request: Any, models: Mapping[str, ModelLimits]) -> GenerateParams
         repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else None,
         presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
         logprobs=s.logprobs if s.HasField("logprobs") else None, logit_bias=dict(s.logit_bias),
-        min_tokens=s.min_tokens, prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None)
+        min_tokens=s.min_tokens, prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
+        speculative=s.speculative or None)
     opts = request.stream_options
     return GenerateParams(
         model=model.id, prompt_text=request.text if kind == "text" else None,

@@ -285,7 +285,25 @@ def worker_dict(w) -> dict[str, Any]:
     return {"id": w.id, "role": _ROLES.get(w.role, "?"), "state": _STATES.get(w.state, "?"), "address": w.address,
             "model": w.model.id, "running": w.load.running, "waiting": w.load.waiting, "kv_usage": w.load.kv_usage,
             "tiers": list(w.tiers), "kv_events_endpoint": w.kv_events_endpoint,
-            "last_heartbeat_age_s": (now_ms - w.last_heartbeat_unix_ms) / 1000 if w.last_heartbeat_unix_ms else None}
+            "last_heartbeat_age_s": (now_ms - w.last_heartbeat_unix_ms) / 1000 if w.last_heartbeat_unix_ms else None,
+            "speculative": speculative_dict(w.speculative) if w.HasField("speculative") else None}
+
+
+def speculative_dict(s) -> dict[str, Any]:
+    """A worker's `SpeculativeStats` (None in the JSON when it does not speculate)."""
+    return {"method": s.method, "methods": list(s.methods), "num_speculative_tokens": s.num_speculative_tokens,
+            "acceptance_rate": s.acceptance_rate, "mean_accepted_length": s.mean_accepted_length,
+            "draft_tokens": s.draft_tokens, "accepted_tokens": s.accepted_tokens, "verifies": s.verifies,
+            "emitted_tokens": s.emitted_tokens, "draft_seconds": s.draft_seconds, "verify_seconds": s.verify_seconds}
+
+
+def _speculative_cell(spec: dict[str, Any] | None) -> str:
+    """`ngram 62% x2.4`: the drafter, acceptance rate and mean accepted length; `-` when it does not speculate."""
+    if spec is None:
+        return "-"
+    if not spec["verifies"]:
+        return spec["method"]
+    return f"{spec['method']} {spec['acceptance_rate']:.0%} x{spec['mean_accepted_length']:.1f}"
 
 
 def workers(
@@ -294,7 +312,7 @@ def workers(
     include_dead: bool = typer.Option(False, "--all", help="also list dead workers"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
-    """The workers registered with the router: role, state, address, load, tiers."""
+    """The workers registered with the router: role, state, address, load, tiers, speculative decoding."""
     from rich.table import Table
 
     with _client(router) as client:
@@ -306,10 +324,11 @@ def workers(
         print(json.dumps(rows, indent=2))
         return
     table = Table(title=f"Workers (router {router or client.address})", title_justify="left")
-    for col in ("id", "role", "state", "address", "running", "waiting", "kv use", "tiers", "heartbeat"):
+    for col in ("id", "role", "state", "address", "running", "waiting", "kv use", "tiers", "speculative",
+                "heartbeat"):
         table.add_column(col)
     for r in rows:
         age = "-" if r["last_heartbeat_age_s"] is None else f"{r['last_heartbeat_age_s']:.1f}s ago"
         table.add_row(r["id"], r["role"], r["state"], r["address"], str(r["running"]), str(r["waiting"]),
-                      f"{r['kv_usage']:.0%}", ",".join(r["tiers"]), age)
+                      f"{r['kv_usage']:.0%}", ",".join(r["tiers"]), _speculative_cell(r["speculative"]), age)
     _console().print(table)

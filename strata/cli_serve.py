@@ -40,6 +40,31 @@ def _check_s3_url(value: Optional[str]) -> Optional[str]:
     return value
 
 
+def check_speculative(value: Optional[str]) -> Optional[str]:
+    """`--speculative` (and `strata generate`'s): refused while the arguments are parsed, naming the option."""
+    from strata.speculative_options import check_method
+
+    try:
+        return check_method(value)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
+def check_num_speculative_tokens(value: Optional[int]) -> Optional[int]:
+    from strata.speculative_options import check_num_tokens
+
+    try:
+        return value if value is None else check_num_tokens(value)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
+SPECULATIVE_HELP = "speculative decoding: ngram, draft or eagle (default: off)"
+NUM_SPECULATIVE_HELP = "the most tokens drafted per request and step (1-16, default 4)"
+SPECULATIVE_MODEL_HELP = "the draft checkpoint (draft) or EAGLE head (eagle) (default: the bundled one)"
+ADAPTIVE_HELP = "always draft --num-speculative-tokens (default: adapt the length to acceptance)"
+
+
 def serve(
     prefill: Optional[int] = typer.Option(None, "--prefill", help="prefill workers (default 1; 0 = decode only)"),
     decode: Optional[int] = typer.Option(None, "--decode", help="decode workers (default 1)"),
@@ -63,6 +88,13 @@ def serve(
                                                help="weights: int8, int4, fp8 or mxfp4 (default: the checkpoint's)"),
     quant_group_size: Optional[int] = typer.Option(None, "--quant-group-size", help="int4 group size: 32, 64, 128"),
     kv_cache_dtype: Optional[str] = typer.Option(None, "--kv-cache-dtype", help="KV cache: auto, fp8 or int8"),
+    speculative: Optional[str] = typer.Option(None, "--speculative", callback=check_speculative,
+                                              help=f"decode workers' {SPECULATIVE_HELP}"),
+    num_speculative_tokens: Optional[int] = typer.Option(None, "--num-speculative-tokens",
+                                                         callback=check_num_speculative_tokens,
+                                                         help=NUM_SPECULATIVE_HELP),
+    speculative_model: Optional[str] = typer.Option(None, "--speculative-model", help=SPECULATIVE_MODEL_HELP),
+    no_speculative_adaptive: bool = typer.Option(False, "--no-speculative-adaptive", help=ADAPTIVE_HELP),
 ) -> None:
     """Start a router and its prefill/decode workers; stop them all on Ctrl-C or SIGTERM."""
     from strata.launcher import LaunchError, LocalLauncher, ServeConfig
@@ -71,7 +103,9 @@ def serve(
                      redis_url=redis_url, s3_url=s3_url, data_dir=data_dir, transfer=transfer, policy=policy,
                      log_level=log_level, disk_tier=False if no_disk else None,
                      enforce_eager=True if enforce_eager else None, quantization=quantization,
-                     quant_group_size=quant_group_size, kv_cache_dtype=kv_cache_dtype)
+                     quant_group_size=quant_group_size, kv_cache_dtype=kv_cache_dtype, speculative=speculative,
+                     num_speculative_tokens=num_speculative_tokens, speculative_model=speculative_model,
+                     speculative_adaptive=False if no_speculative_adaptive else None)
     try:
         cfg = ServeConfig.from_file(config, **overrides) if config else ServeConfig.from_mapping({}, **overrides)
     except (ValueError, OSError) as exc:

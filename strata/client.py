@@ -46,11 +46,12 @@ def sampling(max_tokens: int | None = None, temperature: float = 0.0, top_p: flo
              ignore_eos: bool = False, repetition_penalty: float | None = None, presence_penalty: float = 0.0,
              frequency_penalty: float = 0.0, logprobs: int | None = None,
              logit_bias: dict[int, float] | None = None, min_tokens: int = 0,
-             prompt_logprobs: int | None = None) -> common_pb2.SamplingParams:
+             prompt_logprobs: int | None = None, speculative: str = "") -> common_pb2.SamplingParams:
+    """`speculative`: "" (the decode worker's own drafter), "off", or "ngram" / "draft" / "eagle"."""
     msg = common_pb2.SamplingParams(temperature=temperature, top_k=top_k, stop=list(stop),
                                     stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
                                     presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                                    min_tokens=min_tokens)
+                                    min_tokens=min_tokens, speculative=speculative)
     if repetition_penalty is not None:
         msg.repetition_penalty = repetition_penalty
     if max_tokens is not None:

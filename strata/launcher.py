@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, TextIO
 
 from engine.config import CacheConfig, ModelConfig
+from strata.speculative_options import DEFAULT_NUM_SPECULATIVE_TOKENS, speculative_config, worker_args
 from worker_common.config import TRANSFER_BACKENDS
 from worker_common.store_setup import s3_config
 
@@ -52,7 +53,9 @@ class ServeConfig:
     """What `strata serve` starts. `data_dir` empty = a temporary folder (disk tiers), removed on stop.
     `local_prefill_max_tokens`: prompts with at most this many uncached tokens prefill on their decode worker.
     `register_workers`: workers register with the router and publish KV events to it (`--router`); False = the
-    router probes their addresses instead (`--worker`; no KV events, so no prefix-aware routing)."""
+    router probes their addresses instead (`--worker`; no KV events, so no prefix-aware routing).
+    `speculative` (ngram, draft, eagle; None = off), `num_speculative_tokens`, `speculative_model`,
+    `speculative_adaptive`: the decode workers' speculative decoding (prefill workers never speculate)."""
 
     model: str | None = None
     prefill: int = 1
@@ -79,6 +82,10 @@ class ServeConfig:
     quantization: str | None = None     # workers' weights: int8, int4, fp8, mxfp4 (None: the checkpoint's own)
     quant_group_size: int = 128
     kv_cache_dtype: str = "auto"        # auto, fp8 or int8: workers' KV cache and the router's block namespace
+    speculative: str | None = None
+    num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
+    speculative_model: str | None = None
+    speculative_adaptive: bool = True
 
     def __post_init__(self) -> None:
         _require(self.prefill >= 0, f"prefill must be >= 0 workers, got {self.prefill}")
@@ -94,6 +101,9 @@ class ServeConfig:
             s3_config(self.s3_url)  # NOTE: here, in the parent: a bad bucket name fails before any process starts
         ModelConfig("-", quantization=self.quantization, quant_group_size=self.quant_group_size)  # names the field
         CacheConfig(kv_cache_dtype=self.kv_cache_dtype)
+        # NOTE: here, in the parent: a bad drafter (or a missing draft folder) fails before any process starts
+        speculative_config(self.speculative, self.num_speculative_tokens, self.speculative_model,
+                           self.speculative_adaptive)
         _require(self.ready_timeout_s > 0, f"ready_timeout_s must be > 0, got {self.ready_timeout_s}")
         object.__setattr__(self, "worker_args", tuple(self.worker_args))
         object.__setattr__(self, "router_args", tuple(self.router_args))
@@ -123,6 +133,15 @@ def quant_args(c: ServeConfig) -> list[str]:
     """The quantization flags the router and every worker take alike (the router needs them for the namespace)."""
     args = ["--kv-cache-dtype", c.kv_cache_dtype, "--quant-group-size", str(c.quant_group_size)]
     return args + (["--quantization", c.quantization] if c.quantization else [])
+
+
+def speculative_args(c: ServeConfig) -> list[str]:
+    """The decode workers' speculative decoding flags (prefill workers sample one token: they never speculate).
+    The drafter's folder is resolved here, since the workers run in the repository root, not in our directory."""
+    model = c.speculative_model and speculative_config(c.speculative, c.num_speculative_tokens,
+                                                       c.speculative_model).draft_model
+    return worker_args(c.speculative, c.num_speculative_tokens, str(Path(model).resolve()) if model else None,
+                       c.speculative_adaptive)
 
 
 @dataclass(frozen=True)
@@ -345,6 +364,8 @@ class LocalLauncher(Launcher):
         if c.enforce_eager:
             args += ["--enforce-eager"]
         args += quant_args(c)
+        if role == "decode":
+            args += speculative_args(c)
         if c.disk_tier:
             assert self._data_dir is not None
             disk = self._data_dir / name / "disk"

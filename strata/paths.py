@@ -30,9 +30,16 @@ def resolve_model(model: str | None) -> str:
 
 def resolve_draft_model(method: str | None, path: str | None) -> str | None:
     """The speculative drafter's folder: `path` as given (a folder or a bundled name), else the bundled draft model
-    (`draft`) or EAGLE head (`eagle`); None for `ngram` or no speculation."""
+    (`draft`) or EAGLE head (`eagle`); None for `ngram` or no speculation. A folder that is not there is a
+    ValueError naming `speculative_model` (here, before a worker loads anything, not in the middle of its start)."""
     if method not in ("draft", "eagle"):
         return None
+    name = path or (DEFAULT_DRAFT_NAME if method == "draft" else DEFAULT_EAGLE_NAME)
+    for candidate in ((Path(path),) if path else ()) + (Path(bundled_model(name)),):
+        if candidate.is_dir():
+            return str(candidate)
     if path:
-        return resolve_model(path)
-    return bundled_model(DEFAULT_DRAFT_NAME if method == "draft" else DEFAULT_EAGLE_NAME)
+        raise ValueError(f"speculative_model must be a local folder or a bundled model name, got {path!r}")
+    what = "draft model" if method == "draft" else "EAGLE head"
+    raise ValueError(f"speculative_model: speculative {method!r} defaults to the bundled {what} {name!r}, which is "
+                     f"not installed; pass a folder (--speculative-model PATH)")

@@ -5,8 +5,9 @@ import argparse
 import logging
 from typing import Sequence
 
-from engine.config import KV_CACHE_DTYPES, QUANT_GROUP_SIZES, QUANTIZATION_SCHEMES
-from strata.paths import resolve_model
+from engine.config import KV_CACHE_DTYPES, QUANT_GROUP_SIZES, QUANTIZATION_SCHEMES, SPECULATIVE_METHODS
+from strata.paths import resolve_draft_model, resolve_model
+from strata.speculative_options import check_num_tokens
 from worker_common.config import TRANSFER_BACKENDS, WorkerConfig
 from worker_common.store_setup import S3_URL_FORMS, s3_config
 
@@ -19,6 +20,36 @@ def s3_url(value: str) -> str:
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc).removeprefix("--s3-url ")) from None
     return value
+
+
+def num_speculative_tokens(value: str) -> int:
+    """argparse type of `--num-speculative-tokens` (exit 2 naming the option, before the model loads)."""
+    try:
+        return check_num_tokens(int(value))
+    except ValueError as exc:
+        message = str(exc) if "must be" in str(exc) else f"must be an integer, got {value!r}"
+        raise argparse.ArgumentTypeError(message) from None
+
+
+def add_speculative_flags(p: argparse.ArgumentParser, d: WorkerConfig) -> None:
+    p.add_argument("--speculative", choices=SPECULATIVE_METHODS, default=None,
+                   help="decode: speculative decoding with this drafter (default: off; prefill workers ignore it)")
+    p.add_argument("--num-speculative-tokens", type=num_speculative_tokens, default=d.num_speculative_tokens,
+                   help="decode: the most tokens drafted per request and step")
+    p.add_argument("--speculative-model", default=None,
+                   help="decode: the draft checkpoint (draft) or EAGLE head (eagle) folder (default: the bundled one)")
+    p.add_argument("--no-speculative-adaptive", dest="speculative_adaptive", action="store_false",
+                   help="decode: always draft --num-speculative-tokens (default: adapt the length to acceptance)")
+
+
+def check_speculative_model(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The drafter's folder must exist: refused while parsing (exit 2), not after the target model loads."""
+    if args.speculative_model and args.speculative not in ("draft", "eagle"):
+        p.error("argument --speculative-model: only used with --speculative draft or eagle")
+    try:
+        resolve_draft_model(args.speculative, args.speculative_model)
+    except ValueError as exc:
+        p.error(f"argument --speculative-model: {str(exc).removeprefix('speculative_model').lstrip(': ')}")
 
 
 def parse_config(role: str, argv: Sequence[str] | None = None) -> WorkerConfig:
@@ -44,6 +75,7 @@ def parse_config(role: str, argv: Sequence[str] | None = None) -> WorkerConfig:
                    help="int4 group size")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype,
                    help="KV cache storage: auto (the model dtype), fp8 or int8 (per-block, per-head scales)")
+    add_speculative_flags(p, d)
     p.add_argument("--lease-ttl-s", type=float, default=d.lease_ttl_s, help="prefill: KV lease without ReleaseKv")
     p.add_argument("--handoff-mib", type=int, default=d.handoff_bytes >> 20, help="prefill: hand-off region")
     p.add_argument("--host-tier-mib", type=int, default=d.host_tier_bytes >> 20)
@@ -67,6 +99,7 @@ def parse_config(role: str, argv: Sequence[str] | None = None) -> WorkerConfig:
                    help="Prometheus /metrics over HTTP (0 = a free port, printed on READY; -1 = none)")
     p.add_argument("--log-level", default="WARNING")
     args = p.parse_args(argv)
+    check_speculative_model(p, args)
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s {role} %(levelname)s %(name)s: "
                                                              "%(message)s")
     return WorkerConfig(
@@ -75,6 +108,8 @@ def parse_config(role: str, argv: Sequence[str] | None = None) -> WorkerConfig:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
         quantization=args.quantization, quant_group_size=args.quant_group_size, kv_cache_dtype=args.kv_cache_dtype,
+        speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
+        speculative_model=args.speculative_model, speculative_adaptive=args.speculative_adaptive,
         lease_ttl_s=args.lease_ttl_s, handoff_bytes=args.handoff_mib << 20,
         host_tier_bytes=args.host_tier_mib << 20, transfer_deadline_s=args.transfer_deadline_s,
         disk_path=args.disk_path, redis_url=args.redis_url, s3_url=args.s3_url,

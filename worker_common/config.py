@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.config import CacheConfig, ModelConfig
+from engine.config import CacheConfig, ModelConfig, SpeculativeConfig
+from strata.speculative_options import DEFAULT_NUM_SPECULATIVE_TOKENS, speculative_config
 
 ROLES = ("prefill", "decode")
 TRANSFER_BACKENDS = ("shm", "tcp", "nixl")
@@ -32,6 +33,9 @@ class WorkerConfig:
       default too).
     - `metrics_port`: Prometheus `/metrics` over HTTP on `host` (its tiers and load); 0 = a free port (printed on
       READY), -1 = none.
+    - `speculative` (ngram, draft, eagle; None = off), `num_speculative_tokens`, `speculative_model` (the draft
+      checkpoint or EAGLE head; None = the bundled one), `speculative_adaptive`: speculative decoding on a decode
+      worker. A prefill worker samples one token per request and never speculates: it accepts and ignores them.
     """
 
     role: str
@@ -50,6 +54,10 @@ class WorkerConfig:
     quantization: str | None = None
     quant_group_size: int = 128
     kv_cache_dtype: str = "auto"
+    speculative: str | None = None
+    num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
+    speculative_model: str | None = None
+    speculative_adaptive: bool = True
     lease_ttl_s: float = 30.0
     handoff_bytes: int = 256 << 20
     host_tier_bytes: int = 256 << 20
@@ -70,6 +78,7 @@ class WorkerConfig:
         ModelConfig(self.model or "-", dtype=self.dtype, quantization=self.quantization,
                     quant_group_size=self.quant_group_size)            # validates those fields, naming them
         CacheConfig(self.block_size, kv_cache_dtype=self.kv_cache_dtype)
+        self.speculative_config()                                     # validates the speculative fields
         _require(self.role in ROLES, f"role must be one of {ROLES}, got {self.role!r}")
         _require(self.transfer in TRANSFER_BACKENDS,
                  f"transfer must be one of {TRANSFER_BACKENDS}, got {self.transfer!r}")
@@ -96,3 +105,8 @@ class WorkerConfig:
                                                    f"got {self.heartbeat_s}")
         _require(not self.router_address or ":" in self.router_address,
                  f"router_address must be empty or HOST:PORT, got {self.router_address!r}")
+
+    def speculative_config(self) -> SpeculativeConfig:
+        """The engine's speculative decoding config, its drafter's folder resolved (`method` None: off)."""
+        return speculative_config(self.speculative, self.num_speculative_tokens, self.speculative_model,
+                                  self.speculative_adaptive)

@@ -42,7 +42,8 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
             stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
             include_stop_str_in_output=msg.include_stop_str_in_output,
             logprobs=msg.logprobs if msg.HasField("logprobs") else None, logit_bias=tuple(msg.logit_bias.items()),
-            prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None)
+            prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+            speculative=msg.speculative or None)
     except ValueError as exc:
         raise InvalidArgument(f"sampling.{exc}") from None
 
@@ -64,7 +65,23 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
     if params.prompt_logprobs is not None:
         msg.prompt_logprobs = params.prompt_logprobs
     msg.logit_bias.update(dict(params.logit_bias))
+    if params.speculative is not None:
+        msg.speculative = params.speculative
     return msg
+
+
+def check_speculative(params: SamplingParams, speculation) -> SamplingParams:
+    """A request's `speculative` must name a drafter this worker loaded (`speculation`: the engine's, None when it
+    does not speculate), or "off": checked before any KV is pulled or loaded for it."""
+    wanted = params.speculative
+    if wanted in (None, "off"):
+        return params
+    loaded = sorted(speculation.drafters) if speculation is not None else []
+    if wanted not in loaded:
+        runs = f"runs {', '.join(loaded)}" if loaded else "does not speculate"
+        raise InvalidArgument(f"sampling.speculative {wanted!r} is not available: this decode worker {runs} (start "
+                              f"it with --speculative {wanted}); 'off' always works")
+    return params
 
 
 def logprobs_to_proto(entry: TokenLogprobs) -> common_pb2.TokenLogprobs:

@@ -19,7 +19,8 @@ from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
 from kvstore import codec
 from kvstore.hashing import BlockHash, Namespace, hash_block
-from engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from engine.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from engine.spec.factory import build_speculation
 from strata.llm import kv_namespace
 from worker_common.config import WorkerConfig
 
@@ -78,7 +79,16 @@ def build_engine(config: WorkerConfig, on_block_stored: Callable | None = None,
                              on_block_removed=on_block_removed,
                              kv_cache_dtype=getattr(config, "kv_cache_dtype", "auto"),
                              quantization=getattr(config, "quantization", None),
-                             quant_group_size=getattr(config, "quant_group_size", 128))
+                             quant_group_size=getattr(config, "quant_group_size", 128),
+                             speculative=_speculative_of(config))
+
+
+def _speculative_of(config: WorkerConfig) -> SpeculativeConfig | None:
+    """A decode worker's speculative decoding; a prefill worker samples one token per request: it never speculates
+    (and loads no drafter)."""
+    if getattr(config, "role", "") != "decode" or not hasattr(config, "speculative_config"):
+        return None
+    return config.speculative_config()
 
 
 def build_engine_from(model: str, dtype: str = "float32", block_size: int = 16, num_blocks: int = 1024,
@@ -86,18 +96,20 @@ def build_engine_from(model: str, dtype: str = "float32", block_size: int = 16, 
                       max_model_len: int = 2048, *, enforce_eager: bool | None = None, engine_text: bool = False,
                       on_block_stored: Callable | None = None, on_block_removed: Callable | None = None,
                       kv_cache_dtype: str = "auto", quantization: str | None = None,
-                      quant_group_size: int = 128) -> EngineBundle:
+                      quant_group_size: int = 128, speculative: SpeculativeConfig | None = None) -> EngineBundle:
     """`engine_text=True` lets the engine detokenize (the single-engine reference); workers leave it False.
     `on_block_stored` / `on_block_removed` are the block manager's device-tier hooks (the worker's KV events).
     `kv_cache_dtype`: auto (the model dtype), fp8 or int8 (`CacheConfig`); `quantization`, `quant_group_size`:
-    the weights' (`ModelConfig`)."""
+    the weights' (`ModelConfig`); `speculative`: speculative decoding (None or a config without a method: off;
+    `draft_model` must be a resolved folder: `strata.speculative_options.speculative_config`)."""
     cache_config = CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=True,
                                kv_cache_dtype=kv_cache_dtype)
     scheduler_config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                        max_model_len=max_model_len)
     model_config = ModelConfig(model, dtype=dtype, enforce_eager=enforce_eager, quantization=quantization,
                                quant_group_size=quant_group_size)
-    runner = ModelRunner(model_config, cache_config, max_num_seqs=max_num_seqs)
+    spec_tokens = speculative.num_speculative_tokens if speculative is not None and speculative.enabled else 0
+    runner = ModelRunner(model_config, cache_config, max_num_seqs=max_num_seqs, speculative_tokens=spec_tokens)
     spec = runner.spec
     layout = codec.BlockLayout(spec.num_layers, block_size, spec.num_kv_heads, spec.head_dim)
     kv_dtype = runner.kv_dtype      # the storage dtype: `kv_storage_dtype(kv_cache_dtype, dtype)`
@@ -105,8 +117,10 @@ def build_engine_from(model: str, dtype: str = "float32", block_size: int = 16, 
     # NOTE: tokenizer=None: the workers detokenize themselves (worker_common.text_stream), because a decode
     # worker's text must continue after a first token another process sampled.
     tokenizer = runner.tokenizer if engine_text else None
+    speculation = None if speculative is None else build_speculation(speculative, runner, model_config, cache_config,
+                                                                      scheduler_config)
     engine = LLMEngine(runner, tokenizer, cache_config, scheduler_config, hash_block, namespace.fingerprint(),
                        runner.tokenizer.eos_token_ids, on_block_stored=on_block_stored,
-                       on_block_removed=on_block_removed)
+                       on_block_removed=on_block_removed, speculation=speculation)
     assert layout.span_bytes(kv_dtype) == runner.block_bytes, "the codec's sections must be the engine's span"
     return EngineBundle(runner, engine, namespace, layout, kv_dtype, max_model_len)

@@ -35,8 +35,12 @@ class RouterLink:
 
     def __init__(self, address: str, info: Callable[[], common_pb2.WorkerInfo],
                  load: Callable[[], common_pb2.WorkerLoad], num_published: Callable[[], int], heartbeat_s: float,
-                 on_drain: Callable[[], None], idle: Callable[[], bool]) -> None:
+                 on_drain: Callable[[], None], idle: Callable[[], bool],
+                 speculative: Callable[[], common_pb2.SpeculativeStats | None] = lambda: None) -> None:
+        """`speculative`: the worker's speculative decoding counters for each heartbeat (None: it does not
+        speculate)."""
         self.address, self._info, self._load, self._num_published = address, info, load, num_published
+        self._speculative = speculative
         self.heartbeat_s, self._on_drain, self._idle = heartbeat_s, on_drain, idle
         self._channel = grpc.insecure_channel(address)
         self._stub = router_pb2_grpc.RegistryStub(self._channel)
@@ -88,8 +92,8 @@ class RouterLink:
 
     def _beat(self) -> None:
         answer = self._stub.Heartbeat(router_pb2.HeartbeatRequest(
-            worker_id=self.worker_id, load=self._load(), kv_event_batches_published=self._num_published()),
-            timeout=_CALL_TIMEOUT_S)
+            worker_id=self.worker_id, load=self._load(), kv_event_batches_published=self._num_published(),
+            speculative=self._speculative()), timeout=_CALL_TIMEOUT_S)
         self.num_heartbeats += 1
         if answer.state == common_pb2.WORKER_STATE_DRAINING and not self.draining:
             log.info("router %s drains this worker", self.address)

@@ -34,6 +34,7 @@ from worker_common.read_costs import ReadCostMeter
 from worker_common.engine_setup import EngineBundle, build_engine
 from worker_common.kv_events import WorkerEvents
 from worker_common.registration import RouterLink, advertised
+from worker_common.spec_stats import SpecCollector, speculative_stats
 from worker_common.store_setup import build_store
 
 log = logging.getLogger(__name__)
@@ -116,17 +117,21 @@ class WorkerBase(worker_pb2_grpc.WorkerServicer):
 
     def Stats(self, request, context) -> worker_pb2.StatsResponse:
         cache = cache_stats(self.worker_id, self.bundle, self.store, int(time.time() * 1000))
-        return worker_pb2.StatsResponse(worker_id=self.worker_id, load=self.load(), cache=cache)
+        return worker_pb2.StatsResponse(worker_id=self.worker_id, load=self.load(), cache=cache,
+                                        speculative=self.speculative_stats())
 
     def start_metrics(self) -> str:
         """Serve `/metrics` on a daemon thread: this worker's tiers as `strata_cache_*{worker, tier}` (the figures of
         `strata cache stats`, device included), its store's latency histograms and counters as
-        `strata_kvstore_*{tier}` (`kvstore.metrics`), its load as `strata_worker_*{worker}`. Returns the URL."""
+        `strata_kvstore_*{tier}` (`kvstore.metrics`), its load as `strata_worker_*{worker}`, and on a worker that
+        speculates its drafting as `strata_spec_*{worker}` (`worker_common.spec_stats`). Returns the URL."""
         registry = CollectorRegistry()
         register_store_metrics(self.store, registry)
         registry.register(CacheTierCollector(lambda: [(self.worker_id, cache_stats(
             self.worker_id, self.bundle, self.store, int(time.time() * 1000)))]))
         registry.register(LoadCollector(self.worker_id, self.load))
+        if self.bundle.engine.speculation is not None:
+            registry.register(SpecCollector(self.worker_id, self.speculative_stats))
         for collector in self.metrics_collectors():
             registry.register(collector)
         self.metrics_server, _ = start_http_server(self.config.metrics_port, addr=self.config.host, registry=registry)
@@ -141,6 +146,10 @@ class WorkerBase(worker_pb2_grpc.WorkerServicer):
         pool = self.bundle.engine.block_manager.pool
         return common_pb2.WorkerLoad(kv_usage=pool.num_used_blocks / pool.num_blocks,
                                      **self.loop.load.snapshot._asdict())
+
+    def speculative_stats(self) -> common_pb2.SpeculativeStats | None:
+        """The engine's speculative decoding counters; None when this worker does not speculate."""
+        return speculative_stats(self.bundle.engine.speculation)
 
     # ---- cache admin --------------------------------------------------------------------------------------------
 
@@ -171,13 +180,14 @@ class WorkerBase(worker_pb2_grpc.WorkerServicer):
             id=self.worker_id, role=_ROLES[config.role], address=advertised(self.address, host), state=state,
             load=self.load(), model=model, kv_events_endpoint=advertised(self.events.endpoint, host),
             kv_replay_endpoint=advertised(self.events.replay_endpoint, host), transfer_backends=[config.transfer],
-            tiers=list(self.admin.tiers))
+            tiers=list(self.admin.tiers), speculative=self.speculative_stats())
 
     def start_router_link(self) -> None:
         if not self.config.router_address:
             return
         self.router_link = RouterLink(self.config.router_address, self.info, self.load, lambda: self.events.num_published,
-                                      self.config.heartbeat_s, self._drained_by_router, self._idle)
+                                      self.config.heartbeat_s, self._drained_by_router, self._idle,
+                                      speculative=self.speculative_stats)
         self.router_link.start()
 
     def _drained_by_router(self) -> None:

@@ -17,6 +17,7 @@ fields; tensors `fc.weight [H, 2H]`, `fc.bias [H]` and one Qwen3 decoder layer u
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Sequence
@@ -77,8 +78,28 @@ class EagleHead(nn.Module):
         return self.body.layers[0](x, cos, sin, backend, cache, meta)                  # [T, H]
 
 
-def load_eagle_head(folder: str | Path, target: CausalLM, dtype: str, device: str) -> EagleHead:
-    """Read a head checkpoint and check it fits `target` (hidden size, vocabulary)."""
+def _check_target(config: dict, config_path: Path, target_folder: str | Path | None) -> None:
+    """A head trained for one target's features is noise on another's: refuse when the head names the target's
+    weights (`eagle.target_weights_sha256`, sha256 of its safetensors bytes in file order) and they differ."""
+    expected = (config.get("eagle") or {}).get("target_weights_sha256")
+    if not expected or target_folder is None:
+        return
+    digest = hashlib.sha256()
+    for path in weight_files(Path(target_folder)):
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 22):
+                digest.update(chunk)
+    if digest.hexdigest() != expected:
+        raise ConfigFieldError(f"{config_path}: eagle.target_weights_sha256 names other target weights than "
+                               f"{target_folder}: this head was trained for {config['eagle'].get('target')!r}; "
+                               f"pass an EAGLE head trained for this model (--speculative-model) or use another "
+                               f"drafter")
+
+
+def load_eagle_head(folder: str | Path, target: CausalLM, dtype: str, device: str,
+                    target_folder: str | Path | None = None) -> EagleHead:
+    """Read a head checkpoint and check it fits `target` (hidden size, vocabulary, and the very weights it was
+    trained on when the head names them)."""
     folder = Path(folder)
     config_path = folder / "config.json"
     if not config_path.is_file():
@@ -87,6 +108,7 @@ def load_eagle_head(folder: str | Path, target: CausalLM, dtype: str, device: st
     if config.get("architectures") != [ARCHITECTURE]:
         raise ConfigFieldError(f"{config_path}: architectures must be [{ARCHITECTURE!r}] for an eagle head, got "
                                f"{config.get('architectures')!r}")
+    _check_target(config, config_path, target_folder)
     layer_config = {**config, "architectures": ["Qwen3ForCausalLM"], "num_hidden_layers": 1}
     spec = parse_spec(layer_config, str(config_path))
     if spec.hidden_size != target.spec.hidden_size or spec.vocab_size != target.spec.vocab_size:
@@ -111,9 +133,9 @@ class EagleDrafter(Drafter):
     needs_features = True
 
     def __init__(self, folder: str | Path, target: CausalLM, dtype: str, device: str, num_blocks: int,
-                 block_size: int, seed: int = 0) -> None:
+                 block_size: int, seed: int = 0, target_folder: str | Path | None = None) -> None:
         self.target = target
-        self.head = load_eagle_head(folder, target, dtype, device)
+        self.head = load_eagle_head(folder, target, dtype, device, target_folder)
         spec = self.head.spec
         self.device, self.dtype, self.block_size = torch.device(device), torch_dtype(dtype), block_size
         self.cache = KVCache(num_blocks, 1, block_size, spec.num_kv_heads, spec.head_dim, self.dtype, self.device)

@@ -26,5 +26,6 @@ def build_speculation(config: SpeculativeConfig, runner, model_config: ModelConf
     elif config.method == "eagle":
         from engine.spec.eagle import EagleDrafter
         drafters["eagle"] = EagleDrafter(config.draft_model, runner.model, model_config.dtype, model_config.device,
-                                         cache_config.num_blocks, cache_config.block_size, model_config.seed)
+                                         cache_config.num_blocks, cache_config.block_size, model_config.seed,
+                                         model_config.path)
     return Speculation(config, drafters, model_config.seed)

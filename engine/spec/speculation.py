@@ -36,7 +36,7 @@ class SpecStats:
     num_accepted_tokens: int = 0   # drafts accepted
     num_emitted_tokens: int = 0    # tokens those verifies emitted (accepted + one correction or bonus each)
     draft_seconds: float = 0.0     # in the drafters
-    verify_seconds: float = 0.0    # target forward + sampling of steps that verified drafts
+    verify_seconds: float = 0.0    # the rest of the steps that verified drafts (forward, verification, update)
     plain_seconds: float = 0.0     # the same for steps without drafts
     num_verify_steps: int = 0
     num_plain_steps: int = 0
@@ -69,6 +69,7 @@ class Speculation:
         self._rng = np.random.default_rng(seed + 1)
         self._step_started = 0.0
         self._step_decoding = 0
+        self._step_draft = 0.0
 
     @property
     def needs_features(self) -> bool:
@@ -90,7 +91,7 @@ class Speculation:
     def propose(self, decoding: Sequence[Request]) -> None:
         """Set `spec_token_ids` of the decoding requests (empty where they do not speculate this step)."""
         started = time.perf_counter()
-        self._step_started, self._step_decoding = started, len(decoding)
+        self._step_started, self._step_decoding, self._step_draft = started, len(decoding), 0.0
         for request in decoding:
             request.spec_token_ids = []
         if not decoding or not self.controller.speculate_batch(len(decoding)):
@@ -112,7 +113,8 @@ class Speculation:
                     self._q[rid] = proposal.probs
                 else:
                     self._q.pop(rid, None)
-        self.stats.draft_seconds += time.perf_counter() - started
+        self._step_draft = time.perf_counter() - started
+        self.stats.draft_seconds += self._step_draft
 
     # ----- after the forward
 
@@ -197,7 +199,7 @@ class Speculation:
         speculated = any(s.num_draft for s in seqs)
         if speculated:
             self.stats.num_verify_steps += 1
-            self.stats.verify_seconds += seconds
+            self.stats.verify_seconds += seconds - self._step_draft
         else:
             self.stats.num_plain_steps += 1
             self.stats.plain_seconds += seconds

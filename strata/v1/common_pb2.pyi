@@ -41,7 +41,7 @@ WORKER_STATE_DRAINING: WorkerState
 WORKER_STATE_DEAD: WorkerState
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs", "logit_bias", "min_tokens", "prompt_logprobs")
+    __slots__ = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs", "logit_bias", "min_tokens", "prompt_logprobs", "speculative")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,7 @@ class SamplingParams(_message.Message):
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_k: int
@@ -81,7 +82,8 @@ class SamplingParams(_message.Message):
     logit_bias: _containers.ScalarMap[int, float]
     min_tokens: int
     prompt_logprobs: int
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
+    speculative: str
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., speculative: _Optional[str] = ...) -> None: ...
 
 class Logprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -317,7 +319,7 @@ class WorkerLoad(_message.Message):
     def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., pending_prefill_tokens: _Optional[int] = ..., running_tokens: _Optional[int] = ..., backlog_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., prefill_rate_samples: _Optional[int] = ..., host_read_latency_s: _Optional[float] = ..., host_read_bytes_per_s: _Optional[float] = ..., host_read_samples: _Optional[int] = ..., disk_read_latency_s: _Optional[float] = ..., disk_read_bytes_per_s: _Optional[float] = ..., disk_read_samples: _Optional[int] = ..., redis_read_latency_s: _Optional[float] = ..., redis_read_bytes_per_s: _Optional[float] = ..., redis_read_samples: _Optional[int] = ..., s3_read_latency_s: _Optional[float] = ..., s3_read_bytes_per_s: _Optional[float] = ..., s3_read_samples: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("id", "role", "address", "state", "load", "model", "kv_events_endpoint", "kv_replay_endpoint", "transfer_backends", "tiers", "last_heartbeat_unix_ms")
+    __slots__ = ("id", "role", "address", "state", "load", "model", "kv_events_endpoint", "kv_replay_endpoint", "transfer_backends", "tiers", "last_heartbeat_unix_ms", "speculative")
     ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -329,6 +331,7 @@ class WorkerInfo(_message.Message):
     TRANSFER_BACKENDS_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     LAST_HEARTBEAT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     id: str
     role: WorkerRole
     address: str
@@ -340,7 +343,34 @@ class WorkerInfo(_message.Message):
     transfer_backends: _containers.RepeatedScalarFieldContainer[str]
     tiers: _containers.RepeatedScalarFieldContainer[str]
     last_heartbeat_unix_ms: int
-    def __init__(self, id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., state: _Optional[_Union[WorkerState, str]] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., kv_events_endpoint: _Optional[str] = ..., kv_replay_endpoint: _Optional[str] = ..., transfer_backends: _Optional[_Iterable[str]] = ..., tiers: _Optional[_Iterable[str]] = ..., last_heartbeat_unix_ms: _Optional[int] = ...) -> None: ...
+    speculative: SpeculativeStats
+    def __init__(self, id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., state: _Optional[_Union[WorkerState, str]] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., kv_events_endpoint: _Optional[str] = ..., kv_replay_endpoint: _Optional[str] = ..., transfer_backends: _Optional[_Iterable[str]] = ..., tiers: _Optional[_Iterable[str]] = ..., last_heartbeat_unix_ms: _Optional[int] = ..., speculative: _Optional[_Union[SpeculativeStats, _Mapping]] = ...) -> None: ...
+
+class SpeculativeStats(_message.Message):
+    __slots__ = ("method", "methods", "num_speculative_tokens", "verifies", "draft_tokens", "accepted_tokens", "emitted_tokens", "draft_seconds", "verify_seconds", "acceptance_rate", "mean_accepted_length")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    METHODS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    VERIFIES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EMITTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
+    MEAN_ACCEPTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    methods: _containers.RepeatedScalarFieldContainer[str]
+    num_speculative_tokens: int
+    verifies: int
+    draft_tokens: int
+    accepted_tokens: int
+    emitted_tokens: int
+    draft_seconds: float
+    verify_seconds: float
+    acceptance_rate: float
+    mean_accepted_length: float
+    def __init__(self, method: _Optional[str] = ..., methods: _Optional[_Iterable[str]] = ..., num_speculative_tokens: _Optional[int] = ..., verifies: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., emitted_tokens: _Optional[int] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ...) -> None: ...
 
 class CacheAdminResult(_message.Message):
     __slots__ = ("worker_id", "tier", "blocks_removed", "bytes_freed", "blocks_demoted", "error", "shared")

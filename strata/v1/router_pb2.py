@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from strata.v1 import common_pb2 as strata_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16strata/v1/router.proto\x12\tstrata.v1\x1a\x16strata/v1/common.proto\">\n\x15RegisterWorkerRequest\x12%\n\x06worker\x18\x01 \x01(\x0b\x32\x15.strata.v1.WorkerInfo\"h\n\x16RegisterWorkerResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1d\n\x15heartbeat_interval_ms\x18\x02 \x01(\r\x12\x1c\n\x14heartbeat_timeout_ms\x18\x03 \x01(\r\"n\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12#\n\x04load\x18\x02 \x01(\x0b\x32\x15.strata.v1.WorkerLoad\x12\"\n\x1akv_event_batches_published\x18\x03 \x01(\x04\":\n\x11HeartbeatResponse\x12%\n\x05state\x18\x01 \x01(\x0e\x32\x16.strata.v1.WorkerState\"!\n\x0c\x44rainRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"6\n\rDrainResponse\x12%\n\x06worker\x18\x01 \x01(\x0b\x32\x15.strata.v1.WorkerInfo\"&\n\x11\x44\x65registerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\x14\n\x12\x44\x65registerResponse2\xb0\x02\n\x08Registry\x12U\n\x0eRegisterWorker\x12 .strata.v1.RegisterWorkerRequest\x1a!.strata.v1.RegisterWorkerResponse\x12\x46\n\tHeartbeat\x12\x1b.strata.v1.HeartbeatRequest\x1a\x1c.strata.v1.HeartbeatResponse\x12:\n\x05\x44rain\x12\x17.strata.v1.DrainRequest\x1a\x18.strata.v1.DrainResponse\x12I\n\nDeregister\x12\x1c.strata.v1.DeregisterRequest\x1a\x1d.strata.v1.DeregisterResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16strata/v1/router.proto\x12\tstrata.v1\x1a\x16strata/v1/common.proto\">\n\x15RegisterWorkerRequest\x12%\n\x06worker\x18\x01 \x01(\x0b\x32\x15.strata.v1.WorkerInfo\"h\n\x16RegisterWorkerResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1d\n\x15heartbeat_interval_ms\x18\x02 \x01(\r\x12\x1c\n\x14heartbeat_timeout_ms\x18\x03 \x01(\r\"\xa0\x01\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12#\n\x04load\x18\x02 \x01(\x0b\x32\x15.strata.v1.WorkerLoad\x12\"\n\x1akv_event_batches_published\x18\x03 \x01(\x04\x12\x30\n\x0bspeculative\x18\x04 \x01(\x0b\x32\x1b.strata.v1.SpeculativeStats\":\n\x11HeartbeatResponse\x12%\n\x05state\x18\x01 \x01(\x0e\x32\x16.strata.v1.WorkerState\"!\n\x0c\x44rainRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"6\n\rDrainResponse\x12%\n\x06worker\x18\x01 \x01(\x0b\x32\x15.strata.v1.WorkerInfo\"&\n\x11\x44\x65registerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\x14\n\x12\x44\x65registerResponse2\xb0\x02\n\x08Registry\x12U\n\x0eRegisterWorker\x12 .strata.v1.RegisterWorkerRequest\x1a!.strata.v1.RegisterWorkerResponse\x12\x46\n\tHeartbeat\x12\x1b.strata.v1.HeartbeatRequest\x1a\x1c.strata.v1.HeartbeatResponse\x12:\n\x05\x44rain\x12\x17.strata.v1.DrainRequest\x1a\x18.strata.v1.DrainResponse\x12I\n\nDeregister\x12\x1c.strata.v1.DeregisterRequest\x1a\x1d.strata.v1.DeregisterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,18 +36,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERWORKERREQUEST']._serialized_end=123
   _globals['_REGISTERWORKERRESPONSE']._serialized_start=125
   _globals['_REGISTERWORKERRESPONSE']._serialized_end=229
-  _globals['_HEARTBEATREQUEST']._serialized_start=231
-  _globals['_HEARTBEATREQUEST']._serialized_end=341
-  _globals['_HEARTBEATRESPONSE']._serialized_start=343
-  _globals['_HEARTBEATRESPONSE']._serialized_end=401
-  _globals['_DRAINREQUEST']._serialized_start=403
-  _globals['_DRAINREQUEST']._serialized_end=436
-  _globals['_DRAINRESPONSE']._serialized_start=438
-  _globals['_DRAINRESPONSE']._serialized_end=492
-  _globals['_DEREGISTERREQUEST']._serialized_start=494
-  _globals['_DEREGISTERREQUEST']._serialized_end=532
-  _globals['_DEREGISTERRESPONSE']._serialized_start=534
-  _globals['_DEREGISTERRESPONSE']._serialized_end=554
-  _globals['_REGISTRY']._serialized_start=557
-  _globals['_REGISTRY']._serialized_end=861
+  _globals['_HEARTBEATREQUEST']._serialized_start=232
+  _globals['_HEARTBEATREQUEST']._serialized_end=392
+  _globals['_HEARTBEATRESPONSE']._serialized_start=394
+  _globals['_HEARTBEATRESPONSE']._serialized_end=452
+  _globals['_DRAINREQUEST']._serialized_start=454
+  _globals['_DRAINREQUEST']._serialized_end=487
+  _globals['_DRAINRESPONSE']._serialized_start=489
+  _globals['_DRAINRESPONSE']._serialized_end=543
+  _globals['_DEREGISTERREQUEST']._serialized_start=545
+  _globals['_DEREGISTERREQUEST']._serialized_end=583
+  _globals['_DEREGISTERRESPONSE']._serialized_start=585
+  _globals['_DEREGISTERRESPONSE']._serialized_end=605
+  _globals['_REGISTRY']._serialized_start=608
+  _globals['_REGISTRY']._serialized_end=912
 # @@protoc_insertion_point(module_scope)

@@ -23,14 +23,16 @@ class RegisterWorkerResponse(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ..., heartbeat_timeout_ms: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "load", "kv_event_batches_published")
+    __slots__ = ("worker_id", "load", "kv_event_batches_published", "speculative")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     KV_EVENT_BATCHES_PUBLISHED_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     load: _common_pb2.WorkerLoad
     kv_event_batches_published: int
-    def __init__(self, worker_id: _Optional[str] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., kv_event_batches_published: _Optional[int] = ...) -> None: ...
+    speculative: _common_pb2.SpeculativeStats
+    def __init__(self, worker_id: _Optional[str] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., kv_event_batches_published: _Optional[int] = ..., speculative: _Optional[_Union[_common_pb2.SpeculativeStats, _Mapping]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("state",)

@@ -172,11 +172,13 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("worker_id", "load", "cache")
+    __slots__ = ("worker_id", "load", "cache", "speculative")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     load: _common_pb2.WorkerLoad
     cache: _common_pb2.WorkerCacheStats
-    def __init__(self, worker_id: _Optional[str] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., cache: _Optional[_Union[_common_pb2.WorkerCacheStats, _Mapping]] = ...) -> None: ...
+    speculative: _common_pb2.SpeculativeStats
+    def __init__(self, worker_id: _Optional[str] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., cache: _Optional[_Union[_common_pb2.WorkerCacheStats, _Mapping]] = ..., speculative: _Optional[_Union[_common_pb2.SpeculativeStats, _Mapping]] = ...) -> None: ...

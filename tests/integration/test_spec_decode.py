@@ -164,3 +164,23 @@ def test_preemption_under_a_small_cache_keeps_greedy_exact(target, other_draft, 
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == \
         [o.token_ids for o in plain.generate(prompts, GREEDY)]
     llm.engine.scheduler.check_integrity()
+
+
+def test_eagle_head_for_other_target_weights_is_refused(target, tmp_path):
+    import json
+    head = write_random_eagle_head(tmp_path / "head")
+    config = json.loads((head / "config.json").read_text())
+    config["eagle"] = {"target": "someone-else", "target_weights_sha256": "0" * 64}
+    (head / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="target_weights_sha256"):
+        spec_llm(target, "eagle", head)
+
+
+def test_bundled_eagle_head_drafts_for_the_bundled_target_greedy_exact():
+    """The shipped head on the shipped target (float32, eager): accepted drafts and the plain tokens."""
+    prompt = "def parse_args(argv):\n    parser = argparse.ArgumentParser()\n"
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    expected = LLM(enforce_eager=True).generate([prompt], params)[0].token_ids
+    llm = LLM(enforce_eager=True, speculative="eagle", speculative_adaptive=False)
+    assert llm.generate([prompt], params)[0].token_ids == expected
+    assert llm.engine.speculation.stats.acceptance_rate > 0.2

@@ -141,8 +141,10 @@ def reserved_numbers(message_cls) -> set[int]:
 
 
 def test_future_fields_are_reserved():
-    """Speculative decoding and quantization get their field numbers now, so nothing else takes them."""
-    assert set(range(20, 40)) <= reserved_numbers(common_pb2.SamplingParams)
+    """Speculative decoding and quantization get their field numbers now, so nothing else takes them. 20, the
+    first of speculative decoding's, is its `speculative` field."""
+    assert set(range(21, 40)) <= reserved_numbers(common_pb2.SamplingParams)
+    assert common_pb2.SamplingParams.DESCRIPTOR.fields_by_name["speculative"].number == 20
     assert set(range(16, 32)) <= reserved_numbers(common_pb2.KvHandle)
     assert set(range(16, 20)) <= reserved_numbers(strata_pb2.GenerateResponse)
     assert set(range(16, 20)) <= reserved_numbers(worker_pb2.TokenChunk)
