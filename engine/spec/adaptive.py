@@ -1,22 +1,27 @@
 """Adaptive speculation length: per request from its running acceptance, per batch from measured cost.
 
 Per request, acceptance is tracked as a decayed count of accepted drafts A and of rejections R (a verify that
-stopped before its last draft), giving alpha = (A + 1) / (A + R + 2): the chance that the next draft is accepted
+stopped before its last draft), giving alpha = (A + 3) / (A + R + 4) (an optimistic prior): the chance that the next draft is accepted
 given the previous one was. The j-th draft is only verified if it is reached and accepted with probability
 alpha**j >= `threshold`; below that for j = 1 the request does not speculate, except one probe draft every
 `probe_every` steps so that it can come back.
 
-Per batch, steps are timed (draft + verify forward + sampling, or a plain step) by batch-size bucket; when the
-measured tokens per second of speculating steps fall below those of plain steps, the batch stops speculating,
-and every `explore_every` steps the other mode runs once to keep both figures current.
+Per batch, the controller keeps the measured time of a step in each mode by batch-size bucket (an average of
+recent steps: draft + verify forward + sampling, or a plain step) and speculates when the tokens the step is
+expected to emit, sum over requests of 1 + alpha + alpha**2 + ... + alpha**k (k its drafts), per second of a
+speculating step beat the batch size per second of a plain one. Acceptance and timing are kept apart, so a few
+bad drafts never lock speculation out and one slow step does not either. A mode not run for `explore_every`
+steps runs once to refresh its time; each refresh that leaves the choice as it was doubles that wait (up to
+`max_explore_every`):
 
-    decision(bucket):  spec_rate >= plain_rate ? speculate : plain       (unknown rate: try that mode)
+    speculate(bucket) = expected_tokens / t_spec(bucket) >= batch / t_plain(bucket)   (unknown time: measure it)
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 _DECAY = 0.9
+_PRIOR_WEIGHT = 4.0      # a new request's prior counts as this many observations of the engine's acceptance
 
 
 @dataclass
@@ -27,21 +32,28 @@ class _Acceptance:
 
     @property
     def alpha(self) -> float:
-        return (self.accepted + 1.0) / (self.accepted + self.rejected + 2.0)
+        # NOTE: an optimistic prior (3 accepted, 1 rejected: 0.75): a request whose drafts were never verified
+        # gets verified, so its acceptance is learned; a pessimistic one would never speculate to find out
+        return (self.accepted + 3.0) / (self.accepted + self.rejected + 4.0)
 
 
 @dataclass
-class _Rate:
-    tokens: float = 0.0
+class _StepTime:
     seconds: float = 0.0
+    weight: float = 0.0
 
-    def add(self, tokens: int, seconds: float) -> None:
-        self.tokens = self.tokens * _DECAY + tokens
+    def add(self, seconds: float) -> None:
         self.seconds = self.seconds * _DECAY + seconds
+        self.weight = self.weight * _DECAY + 1.0
 
     @property
-    def per_second(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+    def mean(self) -> float:
+        return self.seconds / self.weight
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens a verify of k drafts emits on average when each is accepted with probability alpha."""
+    return sum(alpha ** j for j in range(k + 1))
 
 
 def bucket(num_requests: int) -> int:
@@ -53,12 +65,16 @@ def bucket(num_requests: int) -> int:
 
 class AdaptiveLength:
     def __init__(self, max_tokens: int, enabled: bool = True, threshold: float = 0.25, probe_every: int = 8,
-                 explore_every: int = 16) -> None:
+                 explore_every: int = 64, max_explore_every: int = 1024) -> None:
         self.max_tokens, self.enabled = max_tokens, enabled
         self.threshold, self.probe_every, self.explore_every = threshold, probe_every, explore_every
+        self.max_explore_every = max_explore_every
         self._requests: dict[str, _Acceptance] = {}
-        self._rates: dict[tuple[int, bool], _Rate] = {}
+        self._global = _Acceptance()               # every request's verifies: the prior of a new request
+        self._times: dict[tuple[int, bool], _StepTime] = {}
         self._since_other: dict[int, int] = {}
+        self._wait: dict[int, int] = {}            # bucket -> steps before the next probe of the other mode
+        self._choice: dict[int, bool] = {}         # bucket -> the mode that won the last comparison
 
     # ----- per request
 
@@ -66,7 +82,7 @@ class AdaptiveLength:
         """Drafts to propose for this request now (0: not this step)."""
         if not self.enabled:
             return self.max_tokens
-        state = self._requests.setdefault(request_id, _Acceptance())
+        state = self._state(request_id)
         alpha, k = state.alpha, 0
         reach = 1.0
         while k < self.max_tokens:
@@ -80,44 +96,88 @@ class AdaptiveLength:
                 state.skipped, k = 0, 1
         return k
 
+    def _state(self, request_id: str) -> _Acceptance:
+        """A new request starts from the engine's recent acceptance, weighted as a few observations (a prior that
+        a request of the same workload is likely to share), not from a fixed guess."""
+        state = self._requests.get(request_id)
+        if state is None:
+            g = self._global
+            scale = min(1.0, _PRIOR_WEIGHT / max(g.accepted + g.rejected, 1e-9))
+            state = self._requests[request_id] = _Acceptance(g.accepted * scale, g.rejected * scale)
+        return state
+
     def record(self, request_id: str, proposed: int, accepted: int) -> None:
-        state = self._requests.setdefault(request_id, _Acceptance())
-        state.accepted = state.accepted * _DECAY + accepted
-        state.rejected = state.rejected * _DECAY + (1.0 if accepted < proposed else 0.0)
+        rejected = 1.0 if accepted < proposed else 0.0
+        for state in (self._state(request_id), self._global):
+            state.accepted = state.accepted * _DECAY + accepted
+            state.rejected = state.rejected * _DECAY + rejected
 
     def release(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
 
+    def expected(self, request_id: str, num_drafts: int) -> float:
+        return expected_tokens(self._state(request_id).alpha, num_drafts)
+
     # ----- per batch
 
-    def speculate_batch(self, num_requests: int) -> bool:
-        """Whether a pure-decode step of this many requests should speculate."""
+    def speculate_batch(self, num_requests: int, expected: float | None = None) -> bool:
+        """Whether a pure-decode step of `num_requests` requests, expected to emit `expected` tokens when it
+        speculates (None: not known yet), should speculate."""
         if not self.enabled:
             return True
+        if expected is not None and expected <= num_requests:
+            return False                                      # nothing proposed: nothing to gain
         b = bucket(num_requests)
-        spec, plain = self._rates.get((b, True)), self._rates.get((b, False))
+        spec, plain = self._times.get((b, True)), self._times.get((b, False))
+        if spec is None:
+            spec = self._scaled_from_smaller(b)
         if spec is None:
             return True
         if plain is None:
             return False
-        better = spec.per_second >= plain.per_second
-        since = self._since_other.get(b, 0)
-        if since >= self.explore_every:
-            return not better
+        better = self._better(b, num_requests, expected)
+        if self._since_other.get(b, 0) >= self._wait.get(b, self.explore_every):
+            return not better                                 # refresh the other mode's time
         return better
 
-    def record_step(self, num_requests: int, speculated: bool, tokens: int, seconds: float) -> None:
-        """A timed pure-decode step: `tokens` emitted for `num_requests` requests in `seconds`."""
-        b = bucket(num_requests)
-        self._rates.setdefault((b, speculated), _Rate()).add(tokens, seconds)
-        spec, plain = self._rates.get((b, True)), self._rates.get((b, False))
-        better = spec is None or plain is None or spec.per_second >= plain.per_second
-        self._since_other[b] = 0 if speculated != better else self._since_other.get(b, 0) + 1
+    def _scaled_from_smaller(self, b: int) -> _StepTime | None:
+        """A first estimate of a speculating step at bucket b from the largest smaller bucket where speculation
+        lost, scaled by the batch sizes (verify work grows with the tokens verified): it keeps a large batch from
+        paying a probe that a smaller one already showed cannot win. Refreshed like any measured time."""
+        for smaller in sorted((s for s, spec in self._times if spec and s < b), reverse=True):
+            if self._choice.get(smaller) is False and (smaller, False) in self._times:
+                estimate = _StepTime()
+                estimate.add(self._times[(smaller, True)].mean * b / smaller)
+                self._times[(b, True)] = estimate
+                return estimate
+        return None
 
-    def rates(self) -> dict[int, tuple[float, float]]:
-        """bucket -> (speculative, plain) tokens per second as measured (0 where not yet measured)."""
+    def _better(self, b: int, num_requests: int, expected: float | None) -> bool:
+        if expected is None:
+            return self._choice.get(b, True)
+        return expected / self._times[(b, True)].mean >= num_requests / self._times[(b, False)].mean
+
+    def record_step(self, num_requests: int, speculated: bool, seconds: float, expected: float | None = None) -> None:
+        """A timed pure-decode step of `num_requests` requests in `seconds`."""
+        b = bucket(num_requests)
+        self._times.setdefault((b, speculated), _StepTime()).add(seconds)
+        if (b, not speculated) not in self._times:
+            return
+        better = self._better(b, num_requests, expected) if speculated or expected is not None \
+            else self._choice.get(b, False)
+        if speculated != better:            # the other mode's refresh: if the choice stands, wait longer
+            self._since_other[b] = 0
+            stands = self._choice.get(b) == better
+            self._wait[b] = min(self.max_explore_every, 2 * self._wait.get(b, self.explore_every)) if stands \
+                else self.explore_every
+        else:
+            self._since_other[b] = self._since_other.get(b, 0) + 1
+        self._choice[b] = better
+
+    def step_times(self) -> dict[int, tuple[float, float]]:
+        """bucket -> (speculative, plain) seconds per step as measured (0 where not yet measured)."""
         out: dict[int, tuple[float, float]] = {}
-        for (b, spec), rate in self._rates.items():
+        for (b, spec), t in self._times.items():
             s, p = out.get(b, (0.0, 0.0))
-            out[b] = (rate.per_second, p) if spec else (s, rate.per_second)
+            out[b] = (t.mean, p) if spec else (s, t.mean)
         return out

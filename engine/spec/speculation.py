@@ -25,6 +25,8 @@ from engine.spec.adaptive import AdaptiveLength
 from engine.spec.drafter import DraftInput, Drafter, StepFeatures
 from engine.spec.verify import ACCEPT_STREAM, RESIDUAL_STREAM, verify_point_masses, verify_sampled
 
+_CHEAP = ("ngram",)     # drafters that cost next to nothing: they propose before the batch decides
+
 
 @dataclass
 class SpecStats:
@@ -70,6 +72,7 @@ class Speculation:
         self._step_started = 0.0
         self._step_decoding = 0
         self._step_draft = 0.0
+        self._step_expected: float | None = None
 
     @property
     def needs_features(self) -> bool:
@@ -89,20 +92,39 @@ class Speculation:
     # ----- before the step
 
     def propose(self, decoding: Sequence[Request]) -> None:
-        """Set `spec_token_ids` of the decoding requests (empty where they do not speculate this step)."""
+        """Set `spec_token_ids` of the decoding requests (empty where they do not speculate this step). Cheap
+        drafters (n-gram) propose first, so the batch decision knows what their requests can gain; model drafters
+        run only once the batch decided to speculate."""
         started = time.perf_counter()
         self._step_started, self._step_decoding, self._step_draft = started, len(decoding), 0.0
+        self._step_expected = None
         for request in decoding:
             request.spec_token_ids = []
-        if not decoding or not self.controller.speculate_batch(len(decoding)):
+        if not decoding:
             return
-        groups: dict[str, list[DraftInput]] = {}
+        plans: dict[str, list[DraftInput]] = {}
         for request in decoding:
             method = self.method_of(request)
             room = request.params.max_tokens - request.num_output_tokens - 1
             k = min(self.controller.length(request.request_id), room) if method else 0
             if k > 0:
-                groups.setdefault(method, []).append(DraftInput(request, k, not request.params.greedy))
+                plans.setdefault(method, []).append(DraftInput(request, k, not request.params.greedy))
+        cheap = {m: plans.pop(m) for m in [m for m in plans if m in _CHEAP]}
+        self._draft(cheap)
+        drafts = {i.request.request_id: i.num_tokens for group in plans.values() for i in group}
+        expected = sum(self.controller.expected(r.request_id, drafts.get(r.request_id, len(r.spec_token_ids)))
+                       for r in decoding)
+        self._step_expected = expected
+        if self.controller.speculate_batch(len(decoding), expected):
+            self._draft(plans)
+        else:
+            for request in decoding:
+                request.spec_token_ids = []
+                self._q.pop(request.request_id, None)
+        self._step_draft = time.perf_counter() - started
+        self.stats.draft_seconds += self._step_draft
+
+    def _draft(self, groups: dict[str, list[DraftInput]]) -> None:
         for method, inputs in groups.items():
             proposals = self.drafters[method].propose(inputs, [i.request.params.seed for i in inputs])
             for item, proposal in zip(inputs, proposals):
@@ -113,8 +135,6 @@ class Speculation:
                     self._q[rid] = proposal.probs
                 else:
                     self._q.pop(rid, None)
-        self._step_draft = time.perf_counter() - started
-        self.stats.draft_seconds += self._step_draft
 
     # ----- after the forward
 
@@ -204,7 +224,7 @@ class Speculation:
             self.stats.num_plain_steps += 1
             self.stats.plain_seconds += seconds
         if pure_decode and self._step_decoding:
-            self.controller.record_step(len(seqs), speculated, emitted, seconds)
+            self.controller.record_step(len(seqs), speculated, seconds, self._step_expected)
 
     def observe(self, features: StepFeatures) -> None:
         for drafter in self.drafters.values():

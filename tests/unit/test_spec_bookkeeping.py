@@ -141,26 +141,41 @@ def test_adaptive_length_follows_acceptance():
     for _ in range(20):
         controller.record("r", 4, 4)
     assert controller.length("r") == 4
-    for _ in range(30):
+    for _ in range(60):
         controller.record("r", 4, 0)
     assert controller.length("r") == 0                       # off for this request, ...
     lengths = [controller.length("r") for _ in range(controller.probe_every)]
     assert lengths.count(1) == 1                             # ... but probed again now and then
 
 
-def test_batch_stops_speculating_when_plain_steps_are_faster_and_explores():
-    controller = AdaptiveLength(max_tokens=4, explore_every=4)
-    assert controller.speculate_batch(8)                     # unknown: try speculation
-    controller.record_step(8, True, tokens=16, seconds=1.0)  # 16 tok/s speculating
-    assert not controller.speculate_batch(8)                 # plain not measured yet: measure it
-    controller.record_step(8, False, tokens=8, seconds=0.25)  # 32 tok/s plain
-    decisions = []
-    for _ in range(6):
-        choice = controller.speculate_batch(8)
-        decisions.append(choice)
-        controller.record_step(8, choice, 8 if not choice else 16, 0.25 if not choice else 1.0)
-    assert decisions.count(False) >= 4 and True in decisions   # plain wins, speculation re-measured once
-    assert controller.speculate_batch(1)                     # another batch size is measured on its own
+def test_batch_speculates_when_expected_tokens_per_second_beat_plain_steps():
+    controller = AdaptiveLength(max_tokens=4)
+    assert controller.speculate_batch(8, expected=16.0)           # no step time yet: measure speculation
+    controller.record_step(8, True, seconds=1.0, expected=16.0)
+    assert not controller.speculate_batch(8, expected=16.0)       # then the plain step
+    controller.record_step(8, False, seconds=0.25, expected=16.0)
+    # 16 tokens per 1.0 s against 8 per 0.25 s: plain wins; 40 tokens per 1.0 s would win
+    assert not controller.speculate_batch(8, expected=16.0)
+    assert controller.speculate_batch(8, expected=40.0)
+    assert not controller.speculate_batch(8, expected=8.0)        # nothing proposed: nothing to gain
+
+
+def test_losing_mode_is_refreshed_ever_less_often():
+    controller = AdaptiveLength(max_tokens=4, explore_every=2, max_explore_every=16)
+    controller.record_step(8, True, seconds=1.0, expected=16.0)
+    controller.record_step(8, False, seconds=0.25, expected=16.0)
+    probes = []
+    for step in range(60):
+        choice = controller.speculate_batch(8, expected=16.0)
+        if choice:
+            probes.append(step)
+        controller.record_step(8, choice, seconds=1.0 if choice else 0.25, expected=16.0)
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert len(probes) >= 3 and gaps == sorted(gaps) and gaps[-1] > gaps[0]
+    assert controller.speculate_batch(4, expected=6.0)            # a smaller batch is measured on its own
+    # a larger one starts from bucket 8's loss, scaled: no probe that cannot win
+    controller.record_step(16, False, seconds=0.5, expected=32.0)
+    assert not controller.speculate_batch(16, expected=32.0)
 
 
 def test_speculative_config_names_the_field():
