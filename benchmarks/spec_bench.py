@@ -217,7 +217,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=96)
-    p.add_argument("-k", type=int, default=4, help="num_speculative_tokens")
+    p.add_argument("-k", type=int, default=8, help="num_speculative_tokens (the adaptive length picks <= k)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--eager", action="store_true", help="no compiled decode / verify steps (both engines)")
     p.add_argument("--no-adaptive", action="store_true", help="always propose k tokens")

@@ -184,3 +184,19 @@ def test_bundled_eagle_head_drafts_for_the_bundled_target_greedy_exact():
     llm = LLM(enforce_eager=True, speculative="eagle", speculative_adaptive=False)
     assert llm.generate([prompt], params)[0].token_ids == expected
     assert llm.engine.speculation.stats.acceptance_rate > 0.2
+
+
+def test_compiled_verify_step_gives_the_eager_tokens(target, other_draft, plain):
+    """The compiled engine (decode and verify graphs; the draft model's too) gives plain greedy tokens, and its
+    verify steps ran the verify graph."""
+    llm = LLM(str(target), enforce_eager=False, speculative="draft", speculative_model=str(other_draft),
+              num_speculative_tokens=3, speculative_adaptive=False, max_num_seqs=4, num_blocks=512)
+    verify = llm.engine.runner.compiled_verify
+    assert verify is not None and verify.compilations > 0
+    calls = []
+    real = verify.run_features
+    verify.run_features = lambda *a: calls.append(1) or real(*a)
+    prompts = make_prompts(4, seed=61)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == \
+        [o.token_ids for o in plain.generate(prompts, GREEDY)]
+    assert calls and llm.engine.speculation.stats.num_verify_steps > 0
