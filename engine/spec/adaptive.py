@@ -141,16 +141,17 @@ class AdaptiveLength:
         return better
 
     def _scaled_from_smaller(self, b: int) -> _StepTime | None:
-        """A first estimate of a speculating step at bucket b from the largest smaller bucket where speculation
-        lost, scaled by the batch sizes (verify work grows with the tokens verified): it keeps a large batch from
-        paying a probe that a smaller one already showed cannot win. Refreshed like any measured time."""
-        for smaller in sorted((s for s, spec in self._times if spec and s < b), reverse=True):
-            if self._choice.get(smaller) is False and (smaller, False) in self._times:
-                estimate = _StepTime()
-                estimate.add(self._times[(smaller, True)].mean * b / smaller)
-                self._times[(b, True)] = estimate
-                return estimate
-        return None
+        """A first estimate of a speculating step at bucket b from the largest smaller bucket that measured one,
+        scaled by the batch sizes (a verify's work grows with the tokens it verifies): a large batch need not pay
+        a probe that the estimate says cannot win. Replaced by a measurement at the first refresh."""
+        smaller = max((s for s, spec in self._times if spec and s < b), default=None)
+        if smaller is None:
+            return None
+        estimate = _StepTime()
+        estimate.add(self._times[(smaller, True)].mean * b / smaller)
+        self._times[(b, True)] = estimate
+        self._since_other[b] = 0
+        return estimate
 
     def _better(self, b: int, num_requests: int, expected: float | None) -> bool:
         if expected is None:

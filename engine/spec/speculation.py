@@ -103,12 +103,16 @@ class Speculation:
         if not decoding:
             return
         plans: dict[str, list[DraftInput]] = {}
+        upper = 0.0                     # expected tokens if every request got all its drafts
         for request in decoding:
             method = self.method_of(request)
             room = request.params.max_tokens - request.num_output_tokens - 1
             k = min(self.controller.length(request.request_id), room) if method else 0
+            upper += self.controller.expected(request.request_id, k)
             if k > 0:
                 plans.setdefault(method, []).append(DraftInput(request, k, not request.params.greedy))
+        if not self.controller.speculate_batch(len(decoding), upper):
+            return                      # cannot pay even with every draft: skip the drafters altogether
         cheap = {m: plans.pop(m) for m in [m for m in plans if m in _CHEAP]}
         self._draft(cheap)
         drafts = {i.request.request_id: i.num_tokens for group in plans.values() for i in group}
