@@ -22,7 +22,7 @@ from engine.block_manager import BlockManager, PrefixMatch
 from engine.request import Request
 from engine.sampler import Sampler, seeded_uniform
 from engine.sampling_params import SamplingParams
-from engine.spec.drafter import DraftInput
+from engine.spec.drafter import DraftInput, Proposal
 from engine.spec.verify import DRAFT_STREAM
 
 
@@ -109,3 +109,34 @@ def _plain(params: SamplingParams) -> SamplingParams:
     """The request's settings less what needs the seen tokens (penalties, bans, bias): q may be any distribution."""
     return SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
                           min_p=params.min_p, max_tokens=params.max_tokens)
+
+
+class DraftRun:
+    """One proposal round of a model drafter: per input the drafts so far (and the q each was drawn from), the
+    autoregressive loop's bookkeeping shared by the draft model and the EAGLE head. `active` lists (input index,
+    shadow) of the sequences still drafting."""
+
+    def __init__(self, inputs: Sequence[DraftInput], draw: DraftDraw) -> None:
+        self.inputs, self.draw = inputs, draw
+        self.drafts: list[list[int]] = [[] for _ in inputs]
+        self.q_rows: list[list[torch.Tensor]] = [[] for _ in inputs]
+
+    def step(self, logits: torch.Tensor, active: list[tuple[int, Request]]) -> list[int]:
+        """Draw each active sequence's next draft from its logits row, append it to the shadow (whose tokens so
+        far are now computed); the positions in `active` of those that still draft."""
+        rows = [self.inputs[i] for i, _ in active]
+        positions = [self.inputs[i].request.num_output_tokens + len(self.drafts[i]) for i, _ in active]
+        tokens, q = self.draw(logits, rows, positions)
+        keep = []
+        for b, ((i, shadow), token, q_row) in enumerate(zip(active, tokens, q)):
+            shadow.num_computed_tokens = shadow.num_tokens
+            shadow.token_ids.append(token)
+            self.drafts[i].append(token)
+            if q_row is not None:
+                self.q_rows[i].append(q_row)
+            if len(self.drafts[i]) < self.inputs[i].num_tokens:
+                keep.append(b)
+        return keep
+
+    def proposals(self) -> list[Proposal]:
+        return [Proposal(d, torch.stack(q) if q else None) for d, q in zip(self.drafts, self.q_rows)]

@@ -12,12 +12,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import torch
-
 from engine.batch import StepBatch
 from engine.config import CacheConfig, ModelConfig
 from engine.model_runner import ModelRunner
-from engine.spec.draft_kv import DraftDraw, ShadowSequences
+from engine.spec.draft_kv import DraftDraw, DraftRun, ShadowSequences
 from engine.spec.drafter import DraftInput, Drafter, Proposal
 
 
@@ -38,8 +36,7 @@ class DraftModelDrafter(Drafter):
         self.draw = DraftDraw(seed)
 
     def propose(self, inputs: Sequence[DraftInput], seeds: Sequence[int | None]) -> list[Proposal]:
-        drafts: list[list[int]] = [[] for _ in inputs]
-        q_rows: list[list[torch.Tensor]] = [[] for _ in inputs]
+        run = DraftRun(inputs, self.draw)
         active = []
         for i, item in enumerate(inputs):
             shadow = self.shadows.sync(item.request.request_id, item.request.token_ids)
@@ -49,20 +46,8 @@ class DraftModelDrafter(Drafter):
         while active:
             batch = StepBatch([self.shadows.scheduled(shadow) for _, shadow in active])
             logits = self.runner.execute(batch)                                          # [len(active), V]
-            rows = [inputs[i] for i, _ in active]
-            positions = [inputs[i].request.num_output_tokens + len(drafts[i]) for i, _ in active]
-            tokens, q = self.draw(logits, rows, positions)
-            still = []
-            for (i, shadow), token, q_row in zip(active, tokens, q):
-                shadow.num_computed_tokens = shadow.num_tokens
-                shadow.token_ids.append(token)
-                drafts[i].append(token)
-                if q_row is not None:
-                    q_rows[i].append(q_row)
-                if len(drafts[i]) < inputs[i].num_tokens:
-                    still.append((i, shadow))
-            active = still
-        return [Proposal(d, torch.stack(q) if q else None) for d, q in zip(drafts, q_rows)]
+            active = [active[b] for b in run.step(logits, active)]
+        return run.proposals()
 
     def release(self, request_id: str) -> None:
         self.shadows.release(request_id)

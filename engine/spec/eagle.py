@@ -35,7 +35,7 @@ from engine.models.errors import ConfigFieldError
 from engine.models.rope import RotaryTable
 from engine.models.spec import ModelSpec, parse_spec
 from engine.models.weights import load_weights
-from engine.spec.draft_kv import DraftDraw, ShadowSequences
+from engine.spec.draft_kv import DraftDraw, DraftRun, ShadowSequences
 from engine.spec.drafter import DraftInput, Drafter, Proposal, StepFeatures
 
 ARCHITECTURE = "StrataEagleHead"
@@ -157,8 +157,7 @@ class EagleDrafter(Drafter):
 
     @torch.inference_mode()
     def propose(self, inputs: Sequence[DraftInput], seeds: Sequence[int | None]) -> list[Proposal]:
-        drafts: list[list[int]] = [[] for _ in inputs]
-        q_rows: list[list[torch.Tensor]] = [[] for _ in inputs]
+        run = DraftRun(inputs, self.draw)
         active, feats = [], []
         for i, item in enumerate(inputs):
             request = item.request
@@ -175,22 +174,10 @@ class EagleDrafter(Drafter):
             predicted = self._forward(batch, torch.cat(feats))                           # [T, H]
             last = torch.tensor([len(s.token_ids) for s in batch.seqs], device=self.device).cumsum(0) - 1
             g = predicted.index_select(0, last)                                          # [B, H]
-            logits = self.target.logits(g)                                               # [B, V]
-            rows = [inputs[i] for i, _ in active]
-            positions = [inputs[i].request.num_output_tokens + len(drafts[i]) for i, _ in active]
-            tokens, q = self.draw(logits, rows, positions)
-            still, feats = [], []
-            for b, ((i, shadow), token, q_row) in enumerate(zip(active, tokens, q)):
-                shadow.num_computed_tokens = shadow.num_tokens
-                shadow.token_ids.append(token)
-                drafts[i].append(token)
-                if q_row is not None:
-                    q_rows[i].append(q_row)
-                if len(drafts[i]) < inputs[i].num_tokens:
-                    still.append((i, shadow))
-                    feats.append(g[b:b + 1])            # the head's own feature stands in for the target's
-            active = still
-        return [Proposal(d, torch.stack(q) if q else None) for d, q in zip(drafts, q_rows)]
+            keep = run.step(self.target.logits(g), active)                               # logits [B, V]
+            # the head's own feature stands in for the target's at the next position
+            active, feats = [active[b] for b in keep], [g[b:b + 1] for b in keep]
+        return run.proposals()
 
     def _forward(self, batch: StepBatch, features: torch.Tensor) -> torch.Tensor:
         ids, positions = [], []
