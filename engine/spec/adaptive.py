@@ -115,6 +115,11 @@ class AdaptiveLength:
     def release(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
 
+    def batch_may_pay(self, num_requests: int) -> bool:
+        """`speculate_batch` with every request drafting `max_tokens` at the engine's recent acceptance: O(1), so a
+        batch where speculation is out of reach pays nothing per request to find out."""
+        return self.speculate_batch(num_requests, num_requests * expected_tokens(self._global.alpha, self.max_tokens))
+
     def expected(self, request_id: str, num_drafts: int) -> float:
         return expected_tokens(self._state(request_id).alpha, num_drafts)
 

@@ -100,7 +100,7 @@ class Speculation:
         self._step_expected = None
         for request in decoding:
             request.spec_token_ids = []
-        if not decoding:
+        if not decoding or not self.controller.batch_may_pay(len(decoding)):
             return
         plans: dict[str, list[DraftInput]] = {}
         upper = 0.0                     # expected tokens if every request got all its drafts
