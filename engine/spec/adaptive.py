@@ -65,7 +65,7 @@ def bucket(num_requests: int) -> int:
 
 class AdaptiveLength:
     def __init__(self, max_tokens: int, enabled: bool = True, threshold: float = 0.25, probe_every: int = 8,
-                 explore_every: int = 64, max_explore_every: int = 1024) -> None:
+                 explore_every: int = 64, max_explore_every: int = 4096) -> None:
         self.max_tokens, self.enabled = max_tokens, enabled
         self.threshold, self.probe_every, self.explore_every = threshold, probe_every, explore_every
         self.max_explore_every = max_explore_every
@@ -156,6 +156,8 @@ class AdaptiveLength:
         estimate.add(self._times[(smaller, True)].mean * b / smaller)
         self._times[(b, True)] = estimate
         self._since_other[b] = 0
+        plain = self._times.get((smaller, False))
+        self._wait[b] = int(self.explore_every * max(1.0, estimate.mean / plain.mean)) if plain else self.explore_every
         return estimate
 
     def _better(self, b: int, num_requests: int, expected: float | None) -> bool:
@@ -174,8 +176,12 @@ class AdaptiveLength:
         if speculated != better:            # the other mode's refresh: if the choice stands, wait longer
             self._since_other[b] = 0
             stands = self._choice.get(b) == better
-            self._wait[b] = min(self.max_explore_every, 2 * self._wait.get(b, self.explore_every)) if stands \
-                else self.explore_every
+            # NOTE: the wait also grows with what a refresh costs (a verify step worth 6 plain ones waits 6x as
+            # long), so refreshing a losing mode stays a few percent of the steps at any batch size
+            ratio = max(1.0, self._times[(b, True)].mean / self._times[(b, False)].mean)
+            base = int(self.explore_every * ratio)
+            self._wait[b] = min(self.max_explore_every, max(2 * self._wait.get(b, base), base)) if stands \
+                else base
         else:
             self._since_other[b] = self._since_other.get(b, 0) + 1
         self._choice[b] = better

@@ -161,17 +161,18 @@ def test_batch_speculates_when_expected_tokens_per_second_beat_plain_steps():
 
 
 def test_losing_mode_is_refreshed_ever_less_often():
-    controller = AdaptiveLength(max_tokens=4, explore_every=2, max_explore_every=16)
+    controller = AdaptiveLength(max_tokens=4, explore_every=2, max_explore_every=64)
     controller.record_step(8, True, seconds=1.0, expected=16.0)
     controller.record_step(8, False, seconds=0.25, expected=16.0)
     probes = []
-    for step in range(60):
+    for step in range(300):
         choice = controller.speculate_batch(8, expected=16.0)
         if choice:
             probes.append(step)
         controller.record_step(8, choice, seconds=1.0 if choice else 0.25, expected=16.0)
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert len(probes) >= 3 and gaps == sorted(gaps) and gaps[-1] > gaps[0]
+    assert gaps[0] > 2 * 4                  # a verify step worth 4 plain ones waits 4x explore_every at least
     assert controller.speculate_batch(4, expected=6.0)            # a smaller batch is measured on its own
     # a larger one starts from bucket 8's loss, scaled: no probe that cannot win
     controller.record_step(16, False, seconds=0.5, expected=32.0)
