@@ -24,6 +24,7 @@ steps that speculated (adaptive length may turn it off), and the cost of a verif
 
     OMP_NUM_THREADS=1 python benchmarks/spec_bench.py                       # every drafter, batch 1/8/32, T 0/0.7
     python benchmarks/spec_bench.py --drafters ngram --batches 1 --workloads edit
+    python benchmarks/spec_bench.py --state-cost 1024                      # drafter state on a decode worker
     python benchmarks/spec_bench.py --quick --json                          # CI smoke run
 """
 from __future__ import annotations
@@ -41,6 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from engine.batch import ScheduledSeq, StepBatch  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from strata.llm import LLM  # noqa: E402
 from strata.paths import REPO_ROOT, bundled_model  # noqa: E402
@@ -175,6 +177,55 @@ def build(args: argparse.Namespace, drafter: str | None) -> LLM:
                **kwargs)
 
 
+def state_cost(args: argparse.Namespace) -> dict:
+    """What building a drafter's state for a prompt costs on a decode worker (disaggregation): the draft model's
+    prefill and the EAGLE head's pass over the prompt against the target's own prefill (medians of 5), and the
+    head's acceptance without the target's features for the prompt. A prefix-cache hit stands in for a prompt
+    prefilled on another worker: the target then computes only the last block here, so the head reads zeros for
+    the rest, exactly as on a decode worker."""
+    n = args.state_cost
+    kwargs = dict(dtype=args.dtype, enforce_eager=args.eager, max_num_seqs=8, num_blocks=4096, seed=0)
+    eagle = LLM(speculative="eagle", speculative_adaptive=False, num_speculative_tokens=4, **kwargs)
+    draft = LLM(speculative="draft", speculative_adaptive=False, num_speculative_tokens=4, **kwargs)
+    params = SamplingParams(max_tokens=64, ignore_eos=True, output_kind="final_only")
+    prompts = Corpus(eagle.tokenizer, n, 64).take(6, "heldout")
+
+    def acceptance(prompt: list[int]) -> float:
+        before = stats_delta(eagle, {})
+        eagle.generate([prompt], params)
+        delta = stats_delta(eagle, before)
+        return delta["num_accepted_tokens"] / max(1, delta["num_draft_tokens"])
+
+    with_features = statistics.mean(acceptance(p) for p in prompts)        # first time: every position computed
+    without = statistics.mean(acceptance(p) for p in prompts)              # again: the prompt from the cache
+    batch = StepBatch([ScheduledSeq("cost", prompts[0], 0, list(range(n // 16 + 1)), 1)])
+
+    def timed_pass(run) -> float:
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    head = eagle.engine.speculation.drafters["eagle"]
+    zeros = torch.zeros(n, eagle.engine.runner.spec.hidden_size, dtype=getattr(torch, args.dtype))
+    with torch.inference_mode():
+        head_s = timed_pass(lambda: head._forward(batch, zeros))
+    draft_runner = draft.engine.speculation.drafters["draft"].runner
+    draft_s = timed_pass(lambda: (draft_runner.execute(batch), draft_runner.attention.invalidate()))
+    target = eagle.engine.runner
+    target_s = timed_pass(lambda: (target.execute(batch), target.attention.invalidate()))
+    out = {"prompt_tokens": n, "target_prefill_ms": 1e3 * target_s, "draft_prefill_ms": 1e3 * draft_s,
+           "eagle_head_pass_ms": 1e3 * head_s, "eagle_acceptance_with_features": with_features,
+           "eagle_acceptance_without_prompt_features": without}
+    print(f"prompt {n} tokens: target prefill {out['target_prefill_ms']:.1f} ms; draft model prefill "
+          f"{out['draft_prefill_ms']:.1f} ms ({draft_s / target_s:.2f}x); EAGLE head pass {out['eagle_head_pass_ms']:.1f}"
+          f" ms ({head_s / target_s:.2f}x); EAGLE acceptance {with_features:.3f} with the target's features of the "
+          f"prompt, {without:.3f} without")
+    return out
+
+
 def report(results: list[dict]) -> None:
     print(f"\n{'drafter':8} {'workload':8} {'batch':>5} {'temp':>4} {'plain tok/s':>11} {'spec tok/s':>10} "
           f"{'speed-up':>8} {'e2e':>6} {'acc len':>7} {'acc rate':>8} {'spec steps':>10} {'verify ms':>9} {'draft ms':>8} "
@@ -224,6 +275,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny run that checks the benchmark still works")
     p.add_argument("--json", action="store_true", help="end with one JSON line of every figure")
     p.add_argument("--plot", default="", help="save a bar chart of the speed-ups to this file")
+    p.add_argument("--state-cost", type=int, default=0, metavar="PROMPT_LEN",
+                   help="only measure what building the drafters' state for a prompt of this length costs")
     args = p.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
     args.temperatures = [float(t) for t in args.temperatures.split(",")]
@@ -242,6 +295,11 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     torch.manual_seed(0)
+    if args.state_cost:
+        out = state_cost(args)
+        if args.json:
+            print(json.dumps(out))
+        return
     print(f"spec_bench: torch threads {torch.get_num_threads()}, dtype {args.dtype}, "
           f"{'eager' if args.eager else 'compiled'}, k={args.k}, adaptive={not args.no_adaptive}", flush=True)
     plain = build(args, None)
