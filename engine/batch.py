@@ -25,6 +25,11 @@ class ScheduledSeq:
     prompt_len: int = 0         # the request's prompt length (dynamic NTK RoPE rotates a prompt for it); 0: unknown
     num_draft: int = 0          # the last num_draft token_ids are speculative (verify: num_logits = num_draft + 1)
 
+    def num_computed(self, num_sampled: int) -> int:
+        """Positions this step computed for good, given the tokens sampled for it: all its tokens, except that a
+        verify keeps its last token and the accepted drafts only (it samples the accepted drafts plus one)."""
+        return len(self.token_ids) - self.num_draft + (num_sampled - 1 if self.num_draft else 0)
+
 
 @dataclass(frozen=True)
 class StepBatch:

@@ -236,9 +236,9 @@ def _window_masks(positions: torch.Tensor, span: int, windows: tuple) -> dict:
 
 
 class CompiledDecode:
-    """Contract: `supports(batch)` says whether `run` can take a step (a pure decode of <= the largest bucket);
-    `run(batch, cos, sin)` writes the step's K/V into the cache exactly where the eager step would and returns
-    float32 logits `[len(batch.seqs), vocab]`. `compilations` counts graph compilations (it stays put once every
+    """Contract: `supports(batch)` says whether `run_features` can take a step (a pure decode of <= the largest
+    bucket); `run_features(batch, cos, sin)` writes the step's K/V into the cache exactly where the eager step would
+    and returns float32 logits `[len(batch.seqs), vocab]` and the last hidden states. `compilations` counts graph compilations (it stays put once every
     bucket has run: `warmup` runs each one)."""
 
     graph_name = "decode_step"
@@ -313,9 +313,6 @@ class CompiledDecode:
         as_tensor = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
         return (as_tensor(ids), cos.contiguous(), sin.contiguous(), as_tensor(rows), as_tensor(tables),
                 as_tensor(pos), self.flat)
-
-    def run(self, batch: StepBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return self.run_features(batch, cos, sin)[0]
 
     def run_features(self, batch: StepBatch, cos: torch.Tensor, sin: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:

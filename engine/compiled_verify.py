@@ -133,9 +133,6 @@ class CompiledVerify(CompiledDecode):
         out = logits.index_select(0, torch.tensor(wanted, device=device))
         return out, hidden.index_select(0, torch.tensor(real, device=device))
 
-    def run(self, batch: StepBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return self.run_features(batch, cos, sin)[0]
-
     def warmup(self, execute: Callable[[StepBatch], torch.Tensor],
                log: Callable[[str], None] | None = None) -> None:
         """Compile and run every bucket once with n tokens per sequence on scratch slots of block 0 (restored)."""

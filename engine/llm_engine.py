@@ -142,7 +142,7 @@ class LLMEngine:
             ids.append(seq.request_id)
             starts.append(seq.start_pos)
             rows.append(row)
-            counts.append(len(seq.token_ids) - seq.num_draft + (len(tokens) - 1 if seq.num_draft else 0))
+            counts.append(seq.num_computed(len(tokens)))
             row += len(seq.token_ids)
         self.speculation.observe(StepFeatures(ids, starts, rows, counts, hidden))
 

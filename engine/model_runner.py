@@ -113,20 +113,11 @@ class ModelRunner:
         rotary.ensure(length)
         return rotary.lookup_signed(positions)
 
-    @torch.inference_mode()
     def execute(self, batch: StepBatch) -> torch.Tensor:
         """float32 logits `[sum(seq.num_logits), vocab]`: each sequence's last num_logits positions, in order."""
         if not batch.seqs:
             return torch.empty(0, self.spec.vocab_size, dtype=torch.float32, device=self.device)
-        _check_tables(batch, self.block_size)
-        if self.compiled is not None and self.compiled.supports(batch):
-            return self._execute_compiled(batch)
-        if self.compiled_verify is not None and self.compiled_verify.supports(batch):
-            return self._execute_verify(batch)[0]
-        hidden, logit_rows = self._forward(batch)
-        if len(logit_rows) != hidden.shape[0]:
-            hidden = hidden[torch.tensor(logit_rows, dtype=torch.int64, device=self.device)]  # [N, H]
-        return self.model.logits(hidden)                                              # [N, V]
+        return self.execute_features(batch)[0]
 
     @torch.inference_mode()
     def execute_features(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,12 +125,13 @@ class ModelRunner:
         in batch token order): what a draft head that reads the target's features needs."""
         _check_tables(batch, self.block_size)
         if self.compiled is not None and self.compiled.supports(batch):
-            return self._execute_compiled(batch, features=True)
+            return self._execute_compiled(batch)
         if self.compiled_verify is not None and self.compiled_verify.supports(batch):
             return self._execute_verify(batch)
         hidden, logit_rows = self._forward(batch)
-        rows = hidden[torch.tensor(logit_rows, dtype=torch.int64, device=self.device)]   # [N, H]
-        return self.model.logits(rows), hidden
+        rows = hidden if len(logit_rows) == hidden.shape[0] else \
+            hidden[torch.tensor(logit_rows, dtype=torch.int64, device=self.device)]       # [N, H]
+        return self.model.logits(rows), hidden                                        # [N, V], [T, H]
 
     def _forward(self, batch: StepBatch) -> tuple[torch.Tensor, list[int]]:
         """The eager forward: hidden states `[T, H]` (before the final norm) and the rows that need logits."""
@@ -155,15 +147,13 @@ class ModelRunner:
             raise
         return hidden, logit_rows
 
-    def _execute_compiled(self, batch: StepBatch, features: bool = False):
+    def _execute_compiled(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
         positions = [s.start_pos for s in batch.seqs]
         cos, sin = self.rope(batch, torch.tensor(positions, dtype=torch.int64, device=self.device),
                              max(positions) + 1)                                       # [B, 1, D] each
         # NOTE: the eager backend's derived state (its DecodeBuffer) does not see this step's cache writes
         self.attention.invalidate()
-        if features:
-            return self.compiled.run_features(batch, cos, sin)                         # [B, V], [B, H]
-        return self.compiled.run(batch, cos, sin)                                      # [B, V]
+        return self.compiled.run_features(batch, cos, sin)                             # [B, V], [B, H]
 
     def _execute_verify(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
         positions = [p for s in batch.seqs for p in range(s.start_pos, s.start_pos + len(s.token_ids))]

@@ -121,10 +121,8 @@ class Scheduler:
         for request, seq, sampled in zip(step.requests, step.batch.seqs, sampled_token_ids):
             if request.status is not RequestStatus.RUNNING:
                 continue  # aborted since schedule()
-            # NOTE: a verify step computed the last token and the drafts; only the accepted ones count (the
-            # sampled list is the accepted drafts plus one token), the rejected slots are rewritten later
-            request.num_computed_tokens += len(seq.token_ids) - seq.num_draft + \
-                (len(sampled) - 1 if seq.num_draft else 0)
+            # NOTE: a verify's rejected drafts do not count: their slots are rewritten later
+            request.num_computed_tokens += seq.num_computed(len(sampled))
             self.block_manager.commit(request)
             if seq.num_logits:
                 updates.append(RequestUpdate(request, self._append(request, sampled)))

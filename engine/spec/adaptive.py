@@ -185,11 +185,3 @@ class AdaptiveLength:
         else:
             self._since_other[b] = self._since_other.get(b, 0) + 1
         self._choice[b] = better
-
-    def step_times(self) -> dict[int, tuple[float, float]]:
-        """bucket -> (speculative, plain) seconds per step as measured (0 where not yet measured)."""
-        out: dict[int, tuple[float, float]] = {}
-        for (b, spec), t in self._times.items():
-            s, p = out.get(b, (0.0, 0.0))
-            out[b] = (t.mean, p) if spec else (s, t.mean)
-        return out
