@@ -134,3 +134,41 @@ class SchedulerConfig:
         _require(self.max_model_len >= 1, f"max_model_len must be >= 1, got {self.max_model_len}")
         _require(self.enable_chunked_prefill or self.max_num_batched_tokens >= self.max_model_len,
                  "without chunked prefill, max_num_batched_tokens must be >= max_model_len")
+
+
+# `--expert-parallel` and the MoE options: how a sparse layer runs its experts (engine/moe/).
+MOE_BACKEND_NAMES = ("local", "expert_parallel")
+MOE_OVERFLOW_POLICIES = ("drop", "next")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """How sparse layers run their experts.
+
+    - `backend`: local (every expert in this process) or expert_parallel (experts sharded over the ranks of an
+      `engine.moe.ep_group.EPGroup`, tokens exchanged by all-to-all).
+    - `capacity_factor`: None = no limit; else each expert takes at most ceil(factor * T * k / E) of a step's T
+      tokens (per rank), and `overflow` says what happens to the rest: drop (the pair is dropped, the token keeps
+      its residual) or next (the token's next-best expert with room). Counted either way.
+    - `num_redundant_experts`: spare expert slots per rank for replicas of hot experts (EPLB); `eplb_interval`:
+      forwards between automatic rebalances (0 = never), over a sliding window of `eplb_window` forwards of load.
+    """
+
+    backend: str = "local"
+    capacity_factor: float | None = None
+    overflow: str = "drop"
+    num_redundant_experts: int = 0
+    eplb_interval: int = 0
+    eplb_window: int = 200
+
+    def __post_init__(self) -> None:
+        _require(self.backend in MOE_BACKEND_NAMES,
+                 f"moe backend must be one of {MOE_BACKEND_NAMES}, got {self.backend!r}")
+        _require(self.capacity_factor is None or self.capacity_factor > 0,
+                 f"moe capacity_factor must be > 0 or unset (no limit), got {self.capacity_factor!r}")
+        _require(self.overflow in MOE_OVERFLOW_POLICIES,
+                 f"moe overflow must be one of {MOE_OVERFLOW_POLICIES}, got {self.overflow!r}")
+        _require(0 <= self.num_redundant_experts <= 1024,
+                 f"num_redundant_experts must be in [0, 1024] (spare slots per rank), got {self.num_redundant_experts}")
+        _require(self.eplb_interval >= 0, f"eplb_interval must be >= 0 forwards (0 = off), got {self.eplb_interval}")
+        _require(self.eplb_window >= 1, f"eplb_window must be >= 1 forwards, got {self.eplb_window}")

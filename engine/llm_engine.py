@@ -63,6 +63,7 @@ class LLMEngine:
         self._detokenizers: dict[str, Detokenizer] = {}
         self._pending_logprobs: dict[str, TokenLogprobs] = {}  # sampled this step, taken by _output
         self._num_generate_calls = 0
+        self.group_idle = True       # expert parallel: no rank of the group ran a forward in the last step
 
     @property
     def prefix_cache_stats(self) -> PrefixCacheStats:
@@ -113,8 +114,33 @@ class LLMEngine:
         if spec is not None:
             spec.propose(self.scheduler.decoding())   # sets each decoding request's spec_token_ids
         step = self.scheduler.schedule()
+        ep = getattr(self.runner, "ep", None)
+        if ep is not None:
+            return self._step_expert_parallel(step)
         if not step.batch.seqs:
             return []
+        return self._run(step)
+
+    @property
+    def lockstep(self) -> bool:
+        """Expert parallel: `step` must run on every loop turn, with or without requests (a collective)."""
+        return getattr(self.runner, "ep", None) is not None
+
+    def _step_expert_parallel(self, step: ScheduledStep) -> list[RequestOutput]:
+        """Every rank joins every step; a rank without a batch still joins the sparse layers' exchanges."""
+        self.group_idle = not self.runner.ep_begin(step.batch)
+        if self.group_idle:
+            return []                   # no rank has work this step
+        try:
+            if not step.batch.seqs:
+                self.runner.ep_idle()
+                return []
+            return self._run(step)
+        finally:
+            self.runner.ep_end()
+
+    def _run(self, step: ScheduledStep) -> list[RequestOutput]:
+        spec = self.speculation
         if step.preloads:  # KV computed elsewhere for blocks this step's requests now own
             self.runner.write_blocks([b for b, _ in step.preloads], torch.stack([kv for _, kv in step.preloads]))
         if spec is not None and spec.needs_features:
@@ -157,8 +183,12 @@ class LLMEngine:
             final_only = dataclasses.replace(p or SamplingParams(), output_kind=RequestOutputKind.FINAL_ONLY)
             self.add_request(request_id, prompt, final_only)
         final: dict[str, RequestOutput] = {}
-        while self.has_unfinished():
+        # NOTE: expert parallel: every rank calls generate (maybe with no prompts) and steps until a step in which
+        # no rank ran a forward, so all ranks leave at the same step.
+        while self.has_unfinished() or self.lockstep:
             final.update((o.request_id, o) for o in self.step() if o.finished)
+            if self.lockstep and self.group_idle and not self.has_unfinished():
+                break
         return [final[i] for i in ids]
 
     def _sample(self, step: ScheduledStep, logits: torch.Tensor) -> list[list[int]]:

@@ -22,6 +22,7 @@ from safetensors import safe_open
 
 from engine.checkpoint import Checkpoint, load_checkpoint, read_header
 from engine.models.decoder import CausalLM
+from engine.moe.backend import MoESetup
 from engine.models.errors import (CheckpointError, ConfigFieldError, MissingFileError, MissingTensorError,
                                   TensorShapeError, TokenizerMismatchError, UnsupportedArchitectureError)
 from engine.models.spec import ModelSpec
@@ -112,7 +113,7 @@ def _fill(model: CausalLM, ckpt: Checkpoint, cq: CheckpointQuant | None) -> None
         reader.close()
 
 
-def load_model(model_config: ModelConfig, moe_backend: str = "local") -> LoadedModel:
+def load_model(model_config: ModelConfig, moe_backend: MoESetup | str = "local") -> LoadedModel:
     """Read, check and place a checkpoint on `model_config.device` in `model_config.dtype`, quantized as the
     checkpoint stores it or as `model_config.quantization` asks (the fingerprint names which)."""
     ckpt = load_checkpoint(model_config.path)

@@ -5,6 +5,7 @@ layers then run over the flat token batch with no per-sequence Python work excep
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
@@ -16,6 +17,9 @@ from engine.compiled_verify import CompiledVerify
 from engine.kv_cache import KVCache
 from engine.loader import load_model, torch_dtype
 from engine.config import CacheConfig, ModelConfig, kv_storage_dtype
+from engine.moe.backend import MoESetup
+from engine.moe.ep_step import ExpertParallelStep
+from engine.moe.expert_parallel import ExpertParallelMoE
 
 
 def _flat_inputs(batch: StepBatch) -> tuple[list[int], list[int], list[int]]:
@@ -42,14 +46,26 @@ def _check_tables(batch: StepBatch, block_size: int) -> None:
                              f"{needed} for positions up to {seq.start_pos + len(seq.token_ids) - 1}")
 
 
+def expert_parallel_step(model: torch.nn.Module, setup: MoESetup, dtype: torch.dtype) -> ExpertParallelStep | None:
+    """The step coordinator of a model whose sparse layers are expert-parallel (None otherwise)."""
+    layers = [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]
+    if not layers:
+        return None
+    top_k = model.spec.moe.top_k
+    return ExpertParallelStep(setup.group, layers, setup.config, top_k, dtype)
+
+
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, attention: str = "torch",
-                 moe_backend: str = "local", max_num_seqs: int = 64,
+                 moe_backend: MoESetup | str = "local", max_num_seqs: int = 64,
                  log: Callable[[str], None] | None = None, speculative_tokens: int = 0) -> None:
         """`max_num_seqs` sizes the compiled decode step's largest bucket; `log` gets its progress lines;
-        `speculative_tokens` > 0 also compiles the verify step (the last token + that many drafts per sequence)."""
+        `speculative_tokens` > 0 also compiles the verify step (the last token + that many drafts per sequence).
+        `moe_backend`: a backend name or a `MoESetup` (expert parallel: its group; then every step is a collective,
+        `ep_begin`/`ep_end`)."""
         torch.manual_seed(model_config.seed)
-        loaded = load_model(model_config, moe_backend)
+        setup = MoESetup.of(moe_backend)
+        loaded = load_model(model_config, setup)
         self.model, self.spec, self.tokenizer = loaded.model, loaded.spec, loaded.tokenizer
         self.fingerprint, self.generation_config = loaded.fingerprint, loaded.generation_config
         self.device, self.dtype = torch.device(model_config.device), torch_dtype(model_config.dtype)
@@ -63,14 +79,20 @@ class ModelRunner:
                              self.spec.num_kv_heads, self.spec.head_dim, getattr(torch, self.kv_dtype), self.device)
         self.compiled: CompiledDecode | None = None
         self.compiled_verify: CompiledVerify | None = None     # speculative verify steps (engine/compiled_verify.py)
+        self.ep = expert_parallel_step(self.model, setup, self.dtype)
         eager = model_config.enforce_eager
         if not (eager_forced() if eager is None else eager):
-            self.compiled = CompiledDecode(self.model, self.cache, max_num_seqs, self.device)
-            self.compiled.warmup(self.execute, log)
-            if speculative_tokens and not self.cache.quantized:
-                self.compiled_verify = CompiledVerify(self.model, self.cache, max_num_seqs, self.device,
-                                                      speculative_tokens + 1)
-                self.compiled_verify.warmup(self.execute, log)
+            # NOTE: ranks compile at their own pace, so warm-up forwards do not exchange tokens (EPGroup.offline)
+            with self.ep.group.offline() if self.ep is not None else contextlib.nullcontext():
+                self._compile(max_num_seqs, speculative_tokens, log)
+
+    def _compile(self, max_num_seqs: int, speculative_tokens: int, log: Callable[[str], None] | None) -> None:
+        self.compiled = CompiledDecode(self.model, self.cache, max_num_seqs, self.device)
+        self.compiled.warmup(self.execute, log)
+        if speculative_tokens and not self.cache.quantized:
+            self.compiled_verify = CompiledVerify(self.model, self.cache, max_num_seqs, self.device,
+                                                  speculative_tokens + 1)
+            self.compiled_verify.warmup(self.execute, log)
 
     @property
     def kv_cache(self) -> torch.Tensor:
@@ -103,6 +125,30 @@ class ModelRunner:
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         self.cache.write_blocks(block_ids, data)
         self.attention.invalidate()
+
+    # ---- expert parallelism: one step = one collective schedule on every rank (engine/moe/ep_step.py) --------
+
+    def ep_begin(self, batch: StepBatch) -> bool:
+        """Join the group's step with this batch (maybe empty); True when some rank runs a forward. Call `ep_end`
+        after the forward (or after `ep_idle` when this rank has no batch)."""
+        return self.ep.begin(self.forward_rows(batch))
+
+    def ep_idle(self) -> None:
+        self.ep.idle()
+
+    def ep_end(self) -> None:
+        self.ep.end()
+
+    def forward_rows(self, batch: StepBatch) -> int:
+        """Rows the forward of `batch` runs through each layer (a compiled step pads to its bucket)."""
+        seqs = batch.seqs
+        if not seqs:
+            return 0
+        if self.compiled is not None and self.compiled.supports(batch):
+            return self.compiled.bucket(len(seqs))
+        if self.compiled_verify is not None and self.compiled_verify.supports(batch):
+            return self.compiled_verify.bucket(len(seqs)) * self.compiled_verify.n
+        return sum(len(s.token_ids) for s in seqs)
 
     def rope(self, batch: StepBatch, positions: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin `[T, 1, D]` for the step's flat `positions` (`length`: max position + 1). Dynamic NTK

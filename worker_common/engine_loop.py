@@ -24,6 +24,7 @@ import time
 from concurrent.futures import Future
 from typing import Any, Callable, NamedTuple, TypeVar
 
+from engine.moe.ep_group import EPGroupError
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
 from worker_common.engine_setup import EngineBundle
@@ -32,6 +33,9 @@ from worker_common.load import LoadTracker, computed_tokens
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _IDLE_WAIT_S = 0.05
+# NOTE: an expert-parallel rank with nothing to do still joins a step this often (a rank that gets a request waits
+# at most this long for an idle peer to join it); one all-reduce per turn.
+_LOCKSTEP_IDLE_WAIT_S = 0.01
 
 
 class Failure(NamedTuple):
@@ -90,6 +94,9 @@ class EngineLoop:
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.num_steps = 0
+        # expert parallel: called once, on the engine thread, after a collective failed and every in-flight
+        # request was failed (retryable); the worker then leaves (the group cannot be used again)
+        self.on_group_failure: Callable[[EPGroupError], None] | None = None
 
     # ---- any thread -----------------------------------------------------------------------------------------
 
@@ -152,17 +159,20 @@ class EngineLoop:
             tracked.pinned = []
 
     def _run(self) -> None:
+        lockstep = getattr(self.engine, "lockstep", False)   # expert parallel: every turn is a group step
         while not self._stopping.is_set():
-            self._drain(block=not self.engine.has_unfinished())
-            if self.engine.has_unfinished() and not self._stopping.is_set():
-                self._step()
+            busy = self.engine.has_unfinished() or lockstep and not self.engine.group_idle
+            self._drain(block=not busy, wait_s=_LOCKSTEP_IDLE_WAIT_S if lockstep else _IDLE_WAIT_S)
+            if (lockstep or self.engine.has_unfinished()) and not self._stopping.is_set():
+                if not self._step():
+                    break
         for request_id in list(self._tracked):
             self._fail(request_id, Failure("worker shutting down", retryable=True))
 
-    def _drain(self, block: bool) -> None:
+    def _drain(self, block: bool, wait_s: float = _IDLE_WAIT_S) -> None:
         ran = False
         try:
-            command = self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
+            command = self._commands.get(timeout=wait_s) if block else self._commands.get_nowait()
             while True:
                 command()
                 ran = True
@@ -180,22 +190,27 @@ class EngineLoop:
     def _requests(self) -> list[Request]:
         return [t.request for t in self._tracked.values() if t.request is not None]
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """One engine step and its fan-out; False when the loop must end (the expert-parallel group broke)."""
         requests = self._requests()
         computed_before = computed_tokens(requests)
         started = time.perf_counter()
         try:
             outputs = self.engine.step()
+        except EPGroupError as exc:
+            self._group_failed(exc)
+            return False
         except Exception as exc:  # noqa: BLE001 - fail the requests, keep the worker serving
             log.exception("engine step failed; failing every in-flight request")
             for request_id in list(self._tracked):
                 self._fail(request_id, failure_of("engine step failed", exc))
             self._after_change()
-            return
+            return True
         self.num_steps += 1
         now = time.perf_counter()
-        # NOTE: a preempted request's counter went back to 0, so the difference may undercount; never negative.
-        self.load.observe_step(computed_tokens(requests) - computed_before, now - started)
+        if requests:
+            # NOTE: a preempted request's counter went back to 0, so the difference may undercount; never negative.
+            self.load.observe_step(computed_tokens(requests) - computed_before, now - started)
         if self.events is not None:
             self.events.flush()  # NOTE: before the outputs: a sink's store writes publish host after device
         for tracked in self._tracked.values():
@@ -216,3 +231,15 @@ class EngineLoop:
                     self.engine.abort(output.request_id)
                 self._release(self._tracked.pop(output.request_id))
         self._after_change()
+        return True
+
+    def _group_failed(self, exc: EPGroupError) -> None:
+        """A rank of the expert-parallel group is gone: fail everything here as retryable elsewhere, then tell the
+        worker (which leaves: the group cannot step again)."""
+        log.error("%s; failing %d in-flight request(s)", exc, len(self._tracked))
+        for request_id in list(self._tracked):
+            self._fail(request_id, Failure("expert-parallel group failed", str(exc), retryable=True))
+        self._after_change()
+        self._stopping.set()
+        if self.on_group_failure is not None:
+            self.on_group_failure(exc)

@@ -19,7 +19,9 @@ from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
 from kvstore import codec
 from kvstore.hashing import BlockHash, Namespace, hash_block
-from engine.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from engine.config import CacheConfig, ModelConfig, MoEConfig, SchedulerConfig, SpeculativeConfig
+from engine.moe.backend import MoESetup
+from engine.moe.ep_group import EPGroup
 from engine.spec.factory import build_speculation
 from strata.llm import kv_namespace
 from worker_common.config import WorkerConfig
@@ -72,7 +74,8 @@ class EngineBundle:
 
 
 def build_engine(config: WorkerConfig, on_block_stored: Callable | None = None,
-                 on_block_removed: Callable | None = None) -> EngineBundle:
+                 on_block_removed: Callable | None = None, ep_group: EPGroup | None = None) -> EngineBundle:
+    """`ep_group`: this rank's expert-parallel group (joined before the engine is built), None for one process."""
     return build_engine_from(config.model, config.dtype, config.block_size, config.num_blocks, config.max_num_seqs,
                              config.max_num_batched_tokens, config.max_model_len,
                              enforce_eager=True if config.enforce_eager else None, on_block_stored=on_block_stored,
@@ -80,7 +83,8 @@ def build_engine(config: WorkerConfig, on_block_stored: Callable | None = None,
                              kv_cache_dtype=getattr(config, "kv_cache_dtype", "auto"),
                              quantization=getattr(config, "quantization", None),
                              quant_group_size=getattr(config, "quant_group_size", 128),
-                             speculative=_speculative_of(config))
+                             speculative=_speculative_of(config),
+                             moe=config.moe_config() if hasattr(config, "moe_config") else None, ep_group=ep_group)
 
 
 def _speculative_of(config: WorkerConfig) -> SpeculativeConfig | None:
@@ -96,12 +100,14 @@ def build_engine_from(model: str, dtype: str = "float32", block_size: int = 16, 
                       max_model_len: int = 2048, *, enforce_eager: bool | None = None, engine_text: bool = False,
                       on_block_stored: Callable | None = None, on_block_removed: Callable | None = None,
                       kv_cache_dtype: str = "auto", quantization: str | None = None,
-                      quant_group_size: int = 128, speculative: SpeculativeConfig | None = None) -> EngineBundle:
+                      quant_group_size: int = 128, speculative: SpeculativeConfig | None = None,
+                      moe: MoEConfig | None = None, ep_group: EPGroup | None = None) -> EngineBundle:
     """`engine_text=True` lets the engine detokenize (the single-engine reference); workers leave it False.
     `on_block_stored` / `on_block_removed` are the block manager's device-tier hooks (the worker's KV events).
     `kv_cache_dtype`: auto (the model dtype), fp8 or int8 (`CacheConfig`); `quantization`, `quant_group_size`:
     the weights' (`ModelConfig`); `speculative`: speculative decoding (None or a config without a method: off;
-    `draft_model` must be a resolved folder: `strata.speculative_options.speculative_config`)."""
+    `draft_model` must be a resolved folder: `strata.speculative_options.speculative_config`); `moe`, `ep_group`:
+    how sparse layers run their experts (expert_parallel needs the group)."""
     cache_config = CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=True,
                                kv_cache_dtype=kv_cache_dtype)
     scheduler_config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -109,7 +115,9 @@ def build_engine_from(model: str, dtype: str = "float32", block_size: int = 16, 
     model_config = ModelConfig(model, dtype=dtype, enforce_eager=enforce_eager, quantization=quantization,
                                quant_group_size=quant_group_size)
     spec_tokens = speculative.num_speculative_tokens if speculative is not None and speculative.enabled else 0
-    runner = ModelRunner(model_config, cache_config, max_num_seqs=max_num_seqs, speculative_tokens=spec_tokens)
+    setup = MoESetup(moe or MoEConfig(), ep_group)
+    runner = ModelRunner(model_config, cache_config, moe_backend=setup, max_num_seqs=max_num_seqs,
+                         speculative_tokens=spec_tokens)
     spec = runner.spec
     layout = codec.BlockLayout(spec.num_layers, block_size, spec.num_kv_heads, spec.head_dim)
     kv_dtype = runner.kv_dtype      # the storage dtype: `kv_storage_dtype(kv_cache_dtype, dtype)`

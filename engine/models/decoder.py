@@ -15,11 +15,12 @@ from engine.attention.backend import AttentionBackend
 from engine.models.layers import Attention, DenseMLP, RMSNorm, SparseMoE, column_major
 from engine.models.rope import RotaryTable
 from engine.models.spec import ModelSpec
+from engine.moe.backend import MoESetup
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, index: int, dtype: torch.dtype, device: torch.device,
-                 moe_backend: str) -> None:
+                 moe_backend: MoESetup | str) -> None:
         super().__init__()
         self.input_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
         self.attn = Attention(spec, dtype, device, spec.layer_windows[index])
@@ -35,7 +36,8 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device, moe_backend: str = "local") -> None:
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
+                 moe_backend: MoESetup | str = "local") -> None:
         super().__init__()
         self.spec = spec
         self.embed = nn.Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
@@ -63,6 +65,9 @@ class CausalLM(nn.Module):
         swap)."""
         for layer in self.layers:
             layer.attn.post_load()
+            experts = getattr(layer.mlp, "experts", None)
+            if hasattr(experts, "post_load"):
+                experts.post_load()     # an expert-parallel layer keeps its own slots
         self.head_weight = (self.embed.weight if self.lm_head is None else self.lm_head).detach()  # [V, H]
         if self.lm_head is None and self.head_weight.device.type == "cpu":
             # NOTE: tied weights: the embedding lookup wants rows contiguous, the logits GEMM wants columns (see

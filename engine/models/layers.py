@@ -14,7 +14,8 @@ from torch import nn
 from engine.attention.backend import AttentionBackend
 from engine.models.rope import apply_rotary
 from engine.models.spec import ModelSpec
-from engine.moe.backend import MoEBackend, make_moe_backend
+from engine.moe.backend import MoEBackend, MoESetup, make_moe_backend
+from engine.moe.capacity import apply_capacity, expert_capacity
 from engine.moe.router import route_topk
 
 
@@ -129,28 +130,53 @@ class DenseMLP(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """Router + experts (a MoE backend) + optional shared expert with a sigmoid gate (Qwen2-MoE)."""
+    """Router + experts (a MoE backend) + optional shared expert with a sigmoid gate (Qwen2-MoE).
 
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device, backend: str = "local") -> None:
+    Gating is the architecture's: softmax over all experts, top-k, renormalised when the config says so (Mixtral
+    always, Qwen-MoE with `norm_topk_prob`). With a capacity factor (`MoEConfig`), pairs past an expert's capacity
+    are dropped or sent to the token's next choice (`engine/moe/capacity.py`), and counted.
+    """
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
+                 backend: MoESetup | str = "local") -> None:
         super().__init__()
         moe = spec.moe
         assert moe is not None
-        self.top_k, self.normalize = moe.top_k, moe.norm_topk_prob
+        setup = MoESetup.of(backend)
+        self.top_k, self.normalize, self.num_experts = moe.top_k, moe.norm_topk_prob, moe.num_experts
+        self.capacity_factor, self.overflow = setup.config.capacity_factor, setup.config.overflow
         self.router = Linear(spec.hidden_size, moe.num_experts, False, dtype, device)
         # NOTE: experts stay row-major: per-expert GEMMs see few rows (T*k/E), where the column-major fast path
         # is slower (cold cache, 1 thread, E=8, 32 tokens: 2.58 vs 2.18 ms per layer).
         w13 = torch.empty(moe.num_experts, 2 * moe.intermediate_size, spec.hidden_size, dtype=dtype, device=device)
         w2 = torch.empty(moe.num_experts, spec.hidden_size, moe.intermediate_size, dtype=dtype, device=device)
-        self.experts: MoEBackend = make_moe_backend(backend, w13, w2)
+        self.experts: MoEBackend = make_moe_backend(setup, w13, w2)
         self.shared = None
         self.shared_gate = None
         if moe.shared_intermediate_size:
             self.shared = DenseMLP(spec.hidden_size, moe.shared_intermediate_size, False, dtype, device)
             self.shared_gate = Linear(spec.hidden_size, 1, False, dtype, device)
+        # load statistics, cumulative (metrics): (token, expert) pairs routed per expert, pairs dropped / rerouted
+        # at capacity. Buffers, so that the compiled step updates them too.
+        self.register_buffer("expert_tokens", torch.zeros(moe.num_experts, dtype=torch.int64, device=device),
+                             persistent=False)
+        self.register_buffer("capacity_counts", torch.zeros(2, dtype=torch.int64, device=device), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route_topk(self.router(x), self.top_k, self.normalize, x.dtype)  # [T, k] each
+        logits = self.router(x)                                                          # [T, E]
+        weights, ids = route_topk(logits, self.top_k, self.normalize, x.dtype)          # [T, k] each
+        if self.capacity_factor is not None:
+            weights, ids = self._capacity(logits, weights, ids)
+        self.expert_tokens.scatter_add_(0, ids.reshape(-1), (weights != 0).reshape(-1).long())
         out = self.experts(x, ids, weights)                                              # [T, H]
         if self.shared is not None:
             out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
         return out
+
+    def _capacity(self, logits: torch.Tensor, weights: torch.Tensor,
+                  ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)                       # [T, E]
+        capacity = expert_capacity(logits.shape[0], self.top_k, self.num_experts, self.capacity_factor)
+        result = apply_capacity(probs, ids, weights, capacity, self.overflow, self.normalize)
+        self.capacity_counts += torch.stack([result.dropped, result.rerouted]).to(self.capacity_counts.dtype)
+        return result.weights, result.ids

@@ -1,14 +1,16 @@
-"""The MoE expert-execution contract and its registry (`moe: local` now; an expert-parallel backend later).
+"""The MoE expert-execution contract and its registry (`local`, `expert_parallel`).
 
 Routing is not the backend's business: the model computes top-k ids and weights, the backend runs the experts.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import nn
+
+from engine.config import MoEConfig
 
 
 class MoEBackend(nn.Module, ABC):
@@ -40,15 +42,34 @@ class MoEBackend(nn.Module, ABC):
         ...
 
 
-MOE_BACKENDS: dict[str, Callable[[torch.Tensor, torch.Tensor], MoEBackend]] = {}
+class MoESetup(NamedTuple):
+    """What builds a model's sparse layers: the config, and for `expert_parallel` the group of ranks
+    (`engine.moe.ep_group.EPGroup`)."""
+
+    config: MoEConfig = MoEConfig()
+    group: Any = None
+
+    @classmethod
+    def of(cls, value: MoESetup | str | None) -> MoESetup:
+        """A setup from a backend name (the older argument), None (local) or a setup."""
+        if isinstance(value, MoESetup):
+            return value
+        return cls(MoEConfig(backend=value or "local"))
 
 
-def register_moe_backend(name: str, factory: Callable[[torch.Tensor, torch.Tensor], MoEBackend]) -> None:
+MoEFactory = Callable[[torch.Tensor, torch.Tensor, MoESetup], MoEBackend]
+MOE_BACKENDS: dict[str, MoEFactory] = {}
+
+
+def register_moe_backend(name: str, factory: MoEFactory) -> None:
     MOE_BACKENDS[name] = factory
 
 
-def make_moe_backend(name: str, w13: torch.Tensor, w2: torch.Tensor) -> MoEBackend:
+def make_moe_backend(setup: MoESetup | str, w13: torch.Tensor, w2: torch.Tensor) -> MoEBackend:
     import engine.moe.local  # noqa: F401  (registers 'local')
+    import engine.moe.expert_parallel  # noqa: F401  (registers 'expert_parallel')
+    setup = MoESetup.of(setup)
+    name = setup.config.backend
     if name not in MOE_BACKENDS:
         raise ValueError(f"moe backend {name!r} is unknown; registered: {sorted(MOE_BACKENDS)}")
-    return MOE_BACKENDS[name](w13, w2)
+    return MOE_BACKENDS[name](w13, w2, setup)

@@ -14,6 +14,7 @@ from torch import nn
 
 from engine.models.layers import Linear, SparseMoE
 from engine.moe.backend import MoEBackend
+from engine.moe.expert_parallel import ExpertParallelMoE
 from engine.quant.linear import quantized_linear
 from engine.quant.moe import QuantizedMoE, quantized_experts
 from engine.quant.packed import QuantizedWeight
@@ -49,7 +50,10 @@ def quantize_model(model: nn.Module, scheme: QuantScheme) -> int:
                if isinstance(m, Linear) and name.rpartition(".")[2] in QUANTIZED_LINEARS or isinstance(m, SparseMoE)]
     for name, module in targets:
         try:
-            if isinstance(module, SparseMoE):
+            if isinstance(module, SparseMoE) and isinstance(module.experts, ExpertParallelMoE):
+                module.experts.post_load()              # its own slots first, then quantize only those
+                module.experts.set_inner(quantize_experts(module.experts.inner, scheme))
+            elif isinstance(module, SparseMoE):
                 module.experts = quantize_experts(module.experts, scheme)
             else:
                 set_module(model, name, quantize_linear(module, scheme))

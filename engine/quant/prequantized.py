@@ -20,6 +20,8 @@ from engine.models.errors import CheckpointError, TensorShapeError
 from engine.models.layers import Linear, SparseMoE
 from engine.models.spec import ModelSpec
 from engine.models.weights import Source, TensorReader, weight_sources
+from engine.moe.backend import MoEBackend
+from engine.moe.expert_parallel import ExpertParallelMoE
 from engine.quant.apply import QUANTIZED_LINEARS, set_module
 from engine.quant.formats.base import CheckpointQuant
 from engine.quant.linear import quantized_linear_parts
@@ -61,7 +63,7 @@ def _linear(cq: CheckpointQuant, reader: TensorReader, linear: Linear, src: Sour
 
 
 def _experts(cq: CheckpointQuant, reader: TensorReader, moe: SparseMoE, up: Source,
-             down: Source) -> QuantizedMoE | None:
+             down: Source) -> MoEBackend | None:
     w13, w2 = moe.experts.w13, moe.experts.w2                                  # [E, 2I, H], [E, H, I]
     ups, downs = [], []
     for e in range(w13.shape[0]):
@@ -75,6 +77,9 @@ def _experts(cq: CheckpointQuant, reader: TensorReader, moe: SparseMoE, up: Sour
         _check_shape(parts2, tuple(w2.shape[1:]), ps2)
         ups.append(quantized_linear_parts(parts13, None, w13.dtype, w13.device))
         downs.append(quantized_linear_parts(parts2, None, w2.dtype, w2.device))
+    if isinstance(moe.experts, ExpertParallelMoE):      # only this rank's slots
+        moe.experts.adopt_all(lambda ids: QuantizedMoE([ups[e] for e in ids], [downs[e] for e in ids]))
+        return moe.experts
     return QuantizedMoE(ups, downs)
 
 

@@ -1,0 +1,167 @@
+"""`EPGroup`: the ranks of one expert-parallel worker, joined in a `torch.distributed` process group (gloo on CPU,
+NCCL would be the GPU choice), and the collectives the MoE layers and the engine loop use.
+
+Every rank runs its own requests (attention is data-parallel); the sparse layers exchange tokens. So every rank must
+make the same collective calls in the same order. One engine step is:
+
+    join_step(rows, rebalance)   all-reduce MAX: does anyone run a forward this step, with how many rows at most,
+                                 and does anyone ask for an expert rebalance
+    per sparse layer:            all_to_all (dispatch: tokens to their experts' ranks)
+                                 all_to_all (combine: expert outputs back)
+
+A rank with no requests still joins: it sends only padding. A collective that fails (a rank died: gloo notices the
+closed socket at once; a rank hung: after `timeout_s`) raises `EPGroupError`, and the group is unusable from then on.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Iterator, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+
+class EPGroupError(RuntimeError):
+    """A collective of the expert-parallel group failed (a rank died or timed out). The group cannot be used again;
+    the worker fails its requests (retryable elsewhere) and exits."""
+
+
+@dataclass(frozen=True)
+class EPGroupSpec:
+    """`init_method`: tcp://HOST:PORT where rank 0 listens for the others (one host: 127.0.0.1)."""
+
+    world_size: int
+    rank: int
+    init_method: str
+    timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.world_size <= 64:
+            raise ValueError(f"expert_parallel (world size) must be in [1, 64], got {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"ep rank must be in [0, {self.world_size - 1}], got {self.rank}")
+        if not self.init_method.startswith("tcp://"):
+            raise ValueError(f"ep init_method must be tcp://HOST:PORT, got {self.init_method!r}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"ep timeout_s must be > 0, got {self.timeout_s}")
+
+
+class StepPlan(NamedTuple):
+    """What `join_step` agreed on: the most rows any rank's forward has (0: no rank runs a forward this step) and
+    whether any rank asked for a rebalance before it."""
+
+    rows: int
+    rebalance: bool
+
+
+class EPGroup:
+    def __init__(self, rank: int, world_size: int, pg: object | None) -> None:
+        """Use `init` (or `single()` for a one-rank group that needs no process group)."""
+        self.rank, self.world_size, self._pg = rank, world_size, pg
+        self.error: EPGroupError | None = None
+        self.offline_depth = 0          # > 0: forwards do not exchange (warm-up, compile)
+        self.step_rows = 0              # rows per rank of the forward in progress (join_step's agreement)
+        self.in_step = False
+        self.bytes_to_peers = 0         # all-to-all bytes this rank sent to other ranks (padding included)
+
+    @classmethod
+    def init(cls, spec: EPGroupSpec) -> EPGroup:
+        """Join the group; blocks until every rank has (or raises EPGroupError after `timeout_s`)."""
+        if spec.world_size == 1:
+            return cls.single()
+        try:
+            dist.init_process_group("gloo", init_method=spec.init_method, rank=spec.rank,
+                                    world_size=spec.world_size, timeout=timedelta(seconds=spec.timeout_s))
+        except Exception as exc:  # noqa: BLE001 - any rendezvous failure is the same error to the caller
+            raise EPGroupError(f"expert-parallel rank {spec.rank} of {spec.world_size} could not join the group at "
+                               f"{spec.init_method}: {exc}") from exc
+        return cls(spec.rank, spec.world_size, dist.group.WORLD)
+
+    @classmethod
+    def single(cls) -> EPGroup:
+        return cls(0, 1, None)
+
+    def close(self) -> None:
+        if self._pg is not None and dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+        self._pg = None
+
+    # ---- collectives (every rank, same order) ---------------------------------------------------------------
+
+    def join_step(self, rows: int, rebalance: bool = False) -> StepPlan:
+        """Agree on this step: the largest forward (rows) and whether to rebalance experts first."""
+        flags = torch.tensor([rows, int(rebalance)], dtype=torch.int64)
+        if self.world_size > 1:
+            self._run(lambda: dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._pg), "join_step")
+        plan = StepPlan(int(flags[0]), bool(flags[1]))
+        self.step_rows, self.in_step = plan.rows, plan.rows > 0
+        return plan
+
+    def end_step(self) -> None:
+        self.in_step = False
+
+    def all_to_all(self, send: torch.Tensor) -> torch.Tensor:
+        """`send [N, ...]`: block j goes to rank j; returns `[N, ...]` where block j came from rank j."""
+        if self.world_size == 1:
+            return send
+        send = send.contiguous()
+        recv = torch.empty_like(send)
+        self.bytes_to_peers += send.numel() * send.element_size() * (self.world_size - 1) // self.world_size
+        self._run(lambda: dist.all_to_all_single(recv, send, group=self._pg), "all_to_all")
+        return recv
+
+    def all_to_all_uneven(self, send: torch.Tensor, send_rows: list[int], recv_rows: list[int]) -> torch.Tensor:
+        """Rows `send[sum(send_rows[:j]) : ...]` go to rank j; both sides know the counts (no count exchange)."""
+        recv = send.new_empty(sum(recv_rows), *send.shape[1:])
+        if self.world_size == 1:
+            return send.clone()
+        self._run(lambda: dist.all_to_all_single(recv, send.contiguous(), recv_rows, send_rows, group=self._pg),
+                  "all_to_all")
+        return recv
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            self._run(lambda: dist.all_reduce(tensor, group=self._pg), "all_reduce")
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`[N, *tensor.shape]`: every rank's tensor."""
+        if self.world_size == 1:
+            return tensor.unsqueeze(0)
+        out = tensor.new_empty(self.world_size, *tensor.shape)
+        self._run(lambda: dist.all_gather_into_tensor(out, tensor.contiguous(), group=self._pg), "all_gather")
+        return out
+
+    # ---- state ----------------------------------------------------------------------------------------------
+
+    @property
+    def broken(self) -> bool:
+        return self.error is not None
+
+    @property
+    def exchanging(self) -> bool:
+        """Whether a sparse layer called now must exchange (inside a joined step, not warming up)."""
+        return self.offline_depth == 0 and self.world_size > 1
+
+    @contextlib.contextmanager
+    def offline(self) -> Iterator[None]:
+        """Forwards inside run without exchanging (remote experts contribute zeros): for warm-ups and compiles,
+        which ranks do not run in lockstep. Never for a forward whose output is used."""
+        self.offline_depth += 1
+        try:
+            yield
+        finally:
+            self.offline_depth -= 1
+
+    def _run(self, fn, what: str) -> None:
+        if self.error is not None:
+            raise self.error
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError subclasses of several kinds
+            self.error = EPGroupError(f"expert-parallel group: {what} failed on rank {self.rank} of "
+                                      f"{self.world_size} (another rank died or hung): {exc}")
+            raise self.error from exc
