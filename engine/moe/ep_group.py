@@ -65,6 +65,8 @@ class EPGroup:
         self.step_rows = 0              # rows per rank of the forward in progress (join_step's agreement)
         self.in_step = False
         self.bytes_to_peers = 0         # all-to-all bytes this rank sent to other ranks (padding included)
+        self.rank_pairs = [0] * world_size      # pairs each rank's experts computed, cumulative (via join_step)
+        self.last_pairs = [0] * world_size      # the same, reported at the last join
 
     @classmethod
     def init(cls, spec: EPGroupSpec) -> EPGroup:
@@ -91,12 +93,15 @@ class EPGroup:
 
     # ---- collectives (every rank, same order) ---------------------------------------------------------------
 
-    def join_step(self, rows: int, rebalance: bool = False) -> StepPlan:
-        """Agree on this step: the largest forward (rows) and whether to rebalance experts first."""
-        flags = torch.tensor([rows, int(rebalance)], dtype=torch.int64)
-        if self.world_size > 1:
-            self._run(lambda: dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._pg), "join_step")
-        plan = StepPlan(int(flags[0]), bool(flags[1]))
+    def join_step(self, rows: int, rebalance: bool = False, pairs: int = 0) -> StepPlan:
+        """Agree on this step: the largest forward (rows) and whether to rebalance experts first. `pairs`: the
+        (token, expert) pairs this rank computed since its last join; every rank learns every rank's
+        (`rank_pairs`), so any rank can report the group's load per rank."""
+        mine = torch.tensor([rows, int(rebalance), pairs], dtype=torch.int64)
+        every = self.all_gather(mine)                                             # [N, 3]
+        plan = StepPlan(int(every[:, 0].max()), bool(every[:, 1].max()))
+        self.last_pairs = every[:, 2].tolist()
+        self.rank_pairs = [a + b for a, b in zip(self.rank_pairs, self.last_pairs)]
         self.step_rows, self.in_step = plan.rows, plan.rows > 0
         return plan
 
@@ -131,9 +136,9 @@ class EPGroup:
         """`[N, *tensor.shape]`: every rank's tensor."""
         if self.world_size == 1:
             return tensor.unsqueeze(0)
-        out = tensor.new_empty(self.world_size, *tensor.shape)
-        self._run(lambda: dist.all_gather_into_tensor(out, tensor.contiguous(), group=self._pg), "all_gather")
-        return out
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        self._run(lambda: dist.all_gather(parts, tensor.contiguous(), group=self._pg), "all_gather")
+        return torch.stack(parts)
 
     # ---- state ----------------------------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ the same deterministic `placement.rebalance` per layer, and the experts that cha
 """
 from __future__ import annotations
 
+import collections
 import logging
 from typing import NamedTuple
 
@@ -41,11 +42,18 @@ class ExpertParallelStep:
         self.rebalance_requested = False
         self.last_rebalance: RebalanceResult | None = None
         self.rebalances = 0
+        self.experts_moved = 0                  # over all rebalances
+        self.rank_window: collections.deque[list[int]] = collections.deque(maxlen=config.eplb_window)
+        self._pairs_reported = 0
 
     def begin(self, rows: int) -> bool:
         """Join this step; True when some rank runs a forward (this rank then runs its forward, or `idle`)."""
         due = self.config.eplb_interval > 0 and self.forwards > 0 and self.forwards % self.config.eplb_interval == 0
-        plan = self.group.join_step(rows, self.rebalance_requested or due)
+        computed = sum(layer.pairs_computed for layer in self.layers)
+        plan = self.group.join_step(rows, self.rebalance_requested or due, computed - self._pairs_reported)
+        self._pairs_reported = computed
+        if any(self.group.last_pairs):
+            self.rank_window.append(self.group.last_pairs)
         if plan.rebalance:
             self.rebalance_requested = False
             self.rebalance()
@@ -58,6 +66,11 @@ class ExpertParallelStep:
     def end(self) -> None:
         self.forwards += 1
         self.group.end_step()
+
+    def rank_imbalance(self) -> float:
+        """max / mean of the pairs each rank computed over the last `eplb_window` steps (1.0 when none)."""
+        totals = [sum(column) for column in zip(*self.rank_window)]
+        return imbalance(totals) if totals else 1.0
 
     def request_rebalance(self) -> None:
         """Rebalance before the next step (agreed by every rank in `begin`)."""
@@ -77,6 +90,7 @@ class ExpertParallelStep:
         n = max(len(self.layers), 1)
         result = RebalanceResult(len(self.layers), moved_total, sum(before) / n, sum(after) / n)
         self.last_rebalance, self.rebalances = result, self.rebalances + 1
+        self.experts_moved += moved_total
         log.info("expert rebalance: %d experts moved over %d layers; expected imbalance %.3f -> %.3f",
                  result.experts_moved, result.layers, result.imbalance_before, result.imbalance_after)
         return result
