@@ -1,17 +1,15 @@
-"""`python -m decode_worker --model PATH --port N --transfer shm|tcp|nixl ...`: serve until SIGTERM/SIGINT."""
+"""`python -m decode_worker --model PATH --port N --transfer shm|tcp|nixl ...`: serve until SIGTERM/SIGINT
+(`--expert-parallel N`: as a group of N ranks, `worker_common.ep_worker`)."""
 from __future__ import annotations
 
 import sys
 
 from decode_worker.service import DecodeService
-from worker_common.cli import parse_config
-from worker_common.server import run_until_signalled, serve
+from worker_common.entrypoint import run_worker
 
 
 def main(argv: list[str] | None = None) -> None:
-    service = DecodeService(parse_config("decode", argv))
-    server = serve(service, extra_ready=f"agent={service.agent.address}")
-    run_until_signalled(service, server, service.close)
+    run_worker("decode", DecodeService, argv)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from dataclasses import replace
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import grpc
 
@@ -42,8 +42,8 @@ _RELEASE_TIMEOUT_S = 2.0
 
 
 class DecodeService(WorkerBase):
-    def __init__(self, config: WorkerConfig, bundle: EngineBundle | None = None) -> None:
-        super().__init__(config, bundle)
+    def __init__(self, config: WorkerConfig, bundle: EngineBundle | None = None, ep_group: Any = None) -> None:
+        super().__init__(config, bundle, ep_group)
         self.agent = create_agent(TransferConfig(backend=config.transfer, host=config.host))
         self.puller = KvPuller(self.bundle, self.store, self.agent, config.transfer_deadline_s)
         self._peers: dict[str, worker_pb2_grpc.WorkerStub] = {}

@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 import grpc
 
@@ -111,8 +111,8 @@ class PrefillJob(Tracked):
 
 
 class PrefillService(WorkerBase):
-    def __init__(self, config: WorkerConfig, bundle: EngineBundle | None = None) -> None:
-        super().__init__(config, bundle)
+    def __init__(self, config: WorkerConfig, bundle: EngineBundle | None = None, ep_group: Any = None) -> None:
+        super().__init__(config, bundle, ep_group)
         self.agent = create_agent(TransferConfig(backend=config.transfer, host=config.host))
         self.pool = HandoffPool(self.agent, slot_bytes(self.bundle), config.handoff_bytes)
         self.leases = LeaseTable(self.agent, self.pool)

@@ -15,7 +15,8 @@ import typer
 
 def banner(info, config) -> str:
     http = info.http_url
-    lines = [f"Strata is serving {info.model} with {config.prefill} prefill + {config.decode} decode workers",
+    ranks = f", each {config.expert_parallel} expert-parallel ranks" if config.expert_parallel > 1 else ""
+    lines = [f"Strata is serving {info.model} with {config.prefill} prefill + {config.decode} decode workers{ranks}",
              f"  gRPC     {info.grpc_address}      (python: strata.client.StrataClient({info.grpc_address!r}))"]
     if http:
         lines += [f"  OpenAI   {http}/v1",
@@ -65,6 +66,21 @@ SPECULATIVE_MODEL_HELP = "the draft checkpoint (draft) or EAGLE head (eagle) (de
 ADAPTIVE_HELP = "always draft --num-speculative-tokens (default: adapt the length to acceptance)"
 
 
+def checked(check):
+    """A typer callback running one of `strata.moe_options`' checks on a given value (None: left to the config)."""
+    def callback(value):
+        try:
+            return value if value is None else check(value)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from None
+    return callback
+
+
+def _moe_check(name: str):
+    from strata import moe_options
+    return checked(getattr(moe_options, name))
+
+
 def serve(
     prefill: Optional[int] = typer.Option(None, "--prefill", help="prefill workers (default 1; 0 = decode only)"),
     decode: Optional[int] = typer.Option(None, "--decode", help="decode workers (default 1)"),
@@ -95,6 +111,21 @@ def serve(
                                                          help=NUM_SPECULATIVE_HELP),
     speculative_model: Optional[str] = typer.Option(None, "--speculative-model", help=SPECULATIVE_MODEL_HELP),
     no_speculative_adaptive: bool = typer.Option(False, "--no-speculative-adaptive", help=ADAPTIVE_HELP),
+    expert_parallel: Optional[int] = typer.Option(
+        None, "--expert-parallel", callback=_moe_check("check_expert_parallel"),
+        help="each prefill and decode worker runs as N ranks on this host, MoE experts sharded (default 1)"),
+    moe_capacity_factor: Optional[float] = typer.Option(
+        None, "--moe-capacity-factor", callback=_moe_check("check_capacity_factor"),
+        help="each expert takes at most F x its even share of a step's tokens (default: no limit)"),
+    moe_overflow: Optional[str] = typer.Option(None, "--moe-overflow", callback=_moe_check("check_overflow"),
+                                               help="tokens past an expert's capacity: drop or next (default drop)"),
+    num_redundant_experts: Optional[int] = typer.Option(
+        None, "--num-redundant-experts", callback=_moe_check("check_num_redundant_experts"),
+        help="spare expert slots per rank for replicas of hot experts (default 0)"),
+    eplb_interval: Optional[int] = typer.Option(None, "--eplb-interval", callback=_moe_check("check_eplb_interval"),
+                                                help="forwards between expert rebalances (default 0: never)"),
+    eplb_window: Optional[int] = typer.Option(None, "--eplb-window", callback=_moe_check("check_eplb_window"),
+                                              help="forwards of expert load the rebalancer looks at (default 200)"),
 ) -> None:
     """Start a router and its prefill/decode workers; stop them all on Ctrl-C or SIGTERM."""
     from strata.launcher import LaunchError, LocalLauncher, ServeConfig
@@ -105,7 +136,10 @@ def serve(
                      enforce_eager=True if enforce_eager else None, quantization=quantization,
                      quant_group_size=quant_group_size, kv_cache_dtype=kv_cache_dtype, speculative=speculative,
                      num_speculative_tokens=num_speculative_tokens, speculative_model=speculative_model,
-                     speculative_adaptive=False if no_speculative_adaptive else None)
+                     speculative_adaptive=False if no_speculative_adaptive else None,
+                     expert_parallel=expert_parallel, moe_capacity_factor=moe_capacity_factor,
+                     moe_overflow=moe_overflow, num_redundant_experts=num_redundant_experts,
+                     eplb_interval=eplb_interval, eplb_window=eplb_window)
     try:
         cfg = ServeConfig.from_file(config, **overrides) if config else ServeConfig.from_mapping({}, **overrides)
     except (ValueError, OSError) as exc:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, TextIO
 
 from engine.config import CacheConfig, ModelConfig
+from strata import moe_options
 from strata.speculative_options import DEFAULT_NUM_SPECULATIVE_TOKENS, speculative_config, worker_args
 from worker_common.config import TRANSFER_BACKENDS
 from worker_common.store_setup import s3_config
@@ -55,7 +56,10 @@ class ServeConfig:
     `register_workers`: workers register with the router and publish KV events to it (`--router`); False = the
     router probes their addresses instead (`--worker`; no KV events, so no prefix-aware routing).
     `speculative` (ngram, draft, eagle; None = off), `num_speculative_tokens`, `speculative_model`,
-    `speculative_adaptive`: the decode workers' speculative decoding (prefill workers never speculate)."""
+    `speculative_adaptive`: the decode workers' speculative decoding (prefill workers never speculate).
+    `expert_parallel` (each prefill and decode worker runs as that many ranks; rank 0 registers and serves the
+    group), `moe_capacity_factor`, `moe_overflow`, `num_redundant_experts`, `eplb_interval`, `eplb_window`: both
+    roles' sparse layers (`strata.moe_options`)."""
 
     model: str | None = None
     prefill: int = 1
@@ -86,6 +90,12 @@ class ServeConfig:
     num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
     speculative_model: str | None = None
     speculative_adaptive: bool = True
+    expert_parallel: int = 1
+    moe_capacity_factor: float | None = None
+    moe_overflow: str = "drop"
+    num_redundant_experts: int = 0
+    eplb_interval: int = 0
+    eplb_window: int = 200
 
     def __post_init__(self) -> None:
         _require(self.prefill >= 0, f"prefill must be >= 0 workers, got {self.prefill}")
@@ -104,9 +114,13 @@ class ServeConfig:
         # NOTE: here, in the parent: a bad drafter (or a missing draft folder) fails before any process starts
         speculative_config(self.speculative, self.num_speculative_tokens, self.speculative_model,
                            self.speculative_adaptive)
+        moe_options.check_options(self._moe_values())  # NOTE: in the parent too: before any process starts
         _require(self.ready_timeout_s > 0, f"ready_timeout_s must be > 0, got {self.ready_timeout_s}")
         object.__setattr__(self, "worker_args", tuple(self.worker_args))
         object.__setattr__(self, "router_args", tuple(self.router_args))
+
+    def _moe_values(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name, _, _ in moe_options.OPTIONS}
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], **overrides: Any) -> "ServeConfig":
@@ -142,6 +156,11 @@ def speculative_args(c: ServeConfig) -> list[str]:
                                                        c.speculative_model).draft_model
     return worker_args(c.speculative, c.num_speculative_tokens, str(Path(model).resolve()) if model else None,
                        c.speculative_adaptive)
+
+
+def moe_args(c: ServeConfig) -> list[str]:
+    """The expert-parallel and MoE flags both roles' workers take (only those away from their defaults)."""
+    return moe_options.worker_args(c._moe_values())
 
 
 @dataclass(frozen=True)
@@ -363,7 +382,7 @@ class LocalLauncher(Launcher):
                 "--metrics-port", "0"]  # each worker's own /metrics, named on its READY line in the log
         if c.enforce_eager:
             args += ["--enforce-eager"]
-        args += quant_args(c)
+        args += quant_args(c) + moe_args(c)
         if role == "decode":
             args += speculative_args(c)
         if c.disk_tier:

@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
-from engine.config import KV_CACHE_DTYPES, QUANT_GROUP_SIZES, QUANTIZATION_SCHEMES, SPECULATIVE_METHODS
+from engine.config import (KV_CACHE_DTYPES, MOE_OVERFLOW_POLICIES, QUANT_GROUP_SIZES, QUANTIZATION_SCHEMES,
+                           SPECULATIVE_METHODS)
+from strata import moe_options
 from strata.paths import resolve_draft_model, resolve_model
 from strata.speculative_options import check_num_tokens
 from worker_common.config import TRANSFER_BACKENDS, WorkerConfig
@@ -42,6 +44,44 @@ def add_speculative_flags(p: argparse.ArgumentParser, d: WorkerConfig) -> None:
                    help="decode: always draft --num-speculative-tokens (default: adapt the length to acceptance)")
 
 
+def checked(convert: Callable[[str], Any], check: Callable[[Any], Any]) -> Callable[[str], Any]:
+    """An argparse type: `convert` the text, then `check` the value; either failure exits 2 naming the option."""
+    kind = "an integer" if convert is int else "a number"
+
+    def parse(value: str) -> Any:
+        try:
+            number = convert(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {kind}, got {value!r}") from None
+        try:
+            return check(number)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return parse
+
+
+def add_moe_flags(p: argparse.ArgumentParser, d: WorkerConfig) -> None:
+    p.add_argument("--expert-parallel", type=checked(int, moe_options.check_expert_parallel),
+                   default=d.expert_parallel, metavar="N",
+                   help="run this worker as N ranks on this host, the MoE experts sharded over them; rank 0 serves "
+                        "the group (default 1: a plain worker)")
+    p.add_argument("--moe-capacity-factor", type=checked(float, moe_options.check_capacity_factor), default=None,
+                   metavar="F", help="each expert takes at most F x its even share of a step's tokens "
+                                     "(default: no limit)")
+    p.add_argument("--moe-overflow", choices=MOE_OVERFLOW_POLICIES, default=d.moe_overflow,
+                   help="tokens past an expert's capacity: drop (keep the residual) or next (next-best expert)")
+    p.add_argument("--num-redundant-experts", type=checked(int, moe_options.check_num_redundant_experts),
+                   default=d.num_redundant_experts, metavar="R", help="spare expert slots per rank for replicas of "
+                                                                      "hot experts")
+    p.add_argument("--eplb-interval", type=checked(int, moe_options.check_eplb_interval), default=d.eplb_interval,
+                   metavar="STEPS", help="forwards between expert rebalances (default 0: never)")
+    p.add_argument("--eplb-window", type=checked(int, moe_options.check_eplb_window), default=d.eplb_window,
+                   metavar="STEPS", help="forwards of expert load the rebalancer looks at")
+    # Set by rank 0 for the ranks it starts (worker_common.ep_ranks), not by users.
+    p.add_argument("--ep-rank", type=int, default=d.ep_rank, help=argparse.SUPPRESS)
+    p.add_argument("--ep-init", default=d.ep_init, help=argparse.SUPPRESS)
+
+
 def check_speculative_model(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """The drafter's folder must exist: refused while parsing (exit 2), not after the target model loads."""
     if args.speculative_model and args.speculative not in ("draft", "eagle"):
@@ -76,6 +116,7 @@ def parse_config(role: str, argv: Sequence[str] | None = None) -> WorkerConfig:
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype,
                    help="KV cache storage: auto (the model dtype), fp8 or int8 (per-block, per-head scales)")
     add_speculative_flags(p, d)
+    add_moe_flags(p, d)
     p.add_argument("--lease-ttl-s", type=float, default=d.lease_ttl_s, help="prefill: KV lease without ReleaseKv")
     p.add_argument("--handoff-mib", type=int, default=d.handoff_bytes >> 20, help="prefill: hand-off region")
     p.add_argument("--host-tier-mib", type=int, default=d.host_tier_bytes >> 20)
@@ -100,8 +141,16 @@ def parse_config(role: str, argv: Sequence[str] | None = None) -> WorkerConfig:
     p.add_argument("--log-level", default="WARNING")
     args = p.parse_args(argv)
     check_speculative_model(p, args)
-    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s {role} %(levelname)s %(name)s: "
+    name = f"{role}[rank {args.ep_rank}]" if args.ep_rank else role
+    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s {name} %(levelname)s %(name)s: "
                                                              "%(message)s")
+    try:
+        return _config_of(role, args)
+    except ValueError as exc:  # a field no flag's type checks alone (a combination): exit 2 naming it, no traceback
+        p.error(str(exc))
+
+
+def _config_of(role: str, args: argparse.Namespace) -> WorkerConfig:
     return WorkerConfig(
         role=role, model=resolve_model(args.model), host=args.host, port=args.port, worker_id=args.worker_id,
         transfer=args.transfer, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
@@ -115,4 +164,7 @@ def parse_config(role: str, argv: Sequence[str] | None = None) -> WorkerConfig:
         disk_path=args.disk_path, redis_url=args.redis_url, s3_url=args.s3_url,
         kv_events_endpoint=args.kv_events_endpoint, kv_replay_endpoint=args.kv_replay_endpoint,
         router_address=args.router, advertise_host=args.advertise_host, heartbeat_s=args.heartbeat_s,
-        model_id=args.model_id, metrics_port=args.metrics_port)
+        model_id=args.model_id, metrics_port=args.metrics_port, expert_parallel=args.expert_parallel,
+        ep_rank=args.ep_rank, ep_init=args.ep_init, moe_capacity_factor=args.moe_capacity_factor,
+        moe_overflow=args.moe_overflow, num_redundant_experts=args.num_redundant_experts,
+        eplb_interval=args.eplb_interval, eplb_window=args.eplb_window)

@@ -1,13 +1,16 @@
 """`WorkerConfig`: one frozen, validated config per worker process, filled by the CLI (and later by launchers)."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
-from engine.config import CacheConfig, ModelConfig, SpeculativeConfig
+from engine.config import CacheConfig, MoEConfig, ModelConfig, SpeculativeConfig
+from strata import moe_options
 from strata.speculative_options import DEFAULT_NUM_SPECULATIVE_TOKENS, speculative_config
 
 ROLES = ("prefill", "decode")
 TRANSFER_BACKENDS = ("shm", "tcp", "nixl")
+_EP_INIT = re.compile(r"^tcp://(\[[0-9a-fA-F:.]+\]|[^:/\s\[\]]+):(\d{1,5})$")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -36,6 +39,11 @@ class WorkerConfig:
     - `speculative` (ngram, draft, eagle; None = off), `num_speculative_tokens`, `speculative_model` (the draft
       checkpoint or EAGLE head; None = the bundled one), `speculative_adaptive`: speculative decoding on a decode
       worker. A prefill worker samples one token per request and never speculates: it accepts and ignores them.
+    - `expert_parallel`: this role runs as that many ranks on one host, sharding the MoE experts (1 = a plain
+      worker; `worker_common.ep_worker`). `ep_rank` (0 = the rank the router talks to, which starts the others) and
+      `ep_init` (tcp://HOST:PORT of the group's rendezvous; empty on rank 0 = a free loopback port) are set by rank 0
+      for the ranks it starts. `moe_capacity_factor` (None = no limit), `moe_overflow` (drop | next),
+      `num_redundant_experts`, `eplb_interval`, `eplb_window`: the sparse layers' `engine.config.MoEConfig`.
     """
 
     role: str
@@ -73,6 +81,14 @@ class WorkerConfig:
     model_id: str = ""
     grpc_threads: int = 128
     metrics_port: int = -1
+    expert_parallel: int = 1
+    ep_rank: int = 0
+    ep_init: str = ""
+    moe_capacity_factor: float | None = None
+    moe_overflow: str = "drop"
+    num_redundant_experts: int = 0
+    eplb_interval: int = 0
+    eplb_window: int = 200
 
     def __post_init__(self) -> None:
         ModelConfig(self.model or "-", dtype=self.dtype, quantization=self.quantization,
@@ -105,6 +121,26 @@ class WorkerConfig:
                                                    f"got {self.heartbeat_s}")
         _require(not self.router_address or ":" in self.router_address,
                  f"router_address must be empty or HOST:PORT, got {self.router_address!r}")
+        self._check_expert_parallel()
+
+    def _check_expert_parallel(self) -> None:
+        self.moe_config()                                             # validates the MoE fields, naming them
+        n = self.expert_parallel
+        _require(isinstance(self.ep_rank, int) and 0 <= self.ep_rank < n,
+                 f"ep_rank must be in [0, {n - 1}] (expert_parallel={n}), got {self.ep_rank!r}")
+        match = _EP_INIT.match(self.ep_init)
+        _require(not self.ep_init or (match is not None and 1 <= int(match.group(2)) <= 65535),
+                 f"ep_init must be empty or tcp://HOST:PORT (PORT in [1, 65535]), got {self.ep_init!r}")
+        _require(not self.ep_init or n > 1, f"ep_init is only used with expert_parallel > 1, got {self.ep_init!r}")
+        if self.ep_rank > 0:
+            _require(bool(self.ep_init), f"ep_init must be set on ep_rank {self.ep_rank} (rank 0 passes its "
+                                         "rendezvous to the ranks it starts)")
+            _require(not self.router_address, f"router_address must be empty on ep_rank {self.ep_rank}: only rank 0 "
+                                              f"registers (the group's front), got {self.router_address!r}")
+
+    def moe_config(self) -> MoEConfig:
+        """The sparse layers' config: the expert-parallel backend when `expert_parallel` > 1, else the local one."""
+        return moe_options.moe_config({name: getattr(self, name) for name, _, _ in moe_options.OPTIONS})
 
     def speculative_config(self) -> SpeculativeConfig:
         """The engine's speculative decoding config, its drafter's folder resolved (`method` None: off)."""

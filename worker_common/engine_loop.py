@@ -236,7 +236,9 @@ class EngineLoop:
     def _group_failed(self, exc: EPGroupError) -> None:
         """A rank of the expert-parallel group is gone: fail everything here as retryable elsewhere, then tell the
         worker (which leaves: the group cannot step again)."""
-        log.error("%s; failing %d in-flight request(s)", exc, len(self._tracked))
+        # NOTE: a group whose other ranks stop on purpose (SIGTERM) breaks too: no error then
+        level = logging.INFO if self._stopping.is_set() else logging.ERROR
+        log.log(level, "%s; failing %d in-flight request(s)", exc, len(self._tracked))
         for request_id in list(self._tracked):
             self._fail(request_id, Failure("expert-parallel group failed", str(exc), retryable=True))
         self._after_change()

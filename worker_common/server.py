@@ -16,7 +16,7 @@ import threading
 import time
 from concurrent import futures
 from pathlib import Path
-from typing import Callable, NoReturn
+from typing import Any, Callable, NoReturn
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -34,6 +34,7 @@ from worker_common.read_costs import ReadCostMeter
 from worker_common.engine_setup import EngineBundle, build_engine
 from worker_common.kv_events import WorkerEvents
 from worker_common.registration import RouterLink, advertised
+from worker_common.moe_stats import MoECollector
 from worker_common.spec_stats import SpecCollector, speculative_stats
 from worker_common.store_setup import build_store
 
@@ -46,15 +47,17 @@ GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_m
 class WorkerBase(worker_pb2_grpc.WorkerServicer):
     """Owns the engine loop and the store; subclasses add their role's RPCs."""
 
-    def __init__(self, config: WorkerConfig, bundle: EngineBundle | None = None) -> None:
+    def __init__(self, config: WorkerConfig, bundle: EngineBundle | None = None, ep_group: Any = None) -> None:
         """A `bundle` built elsewhere publishes no device events for the blocks its engine computes (its block
-        manager's hooks are set at construction: `build_engine(config, on_block_stored, on_block_removed)`)."""
+        manager's hooks are set at construction: `build_engine(config, on_block_stored, on_block_removed)`).
+        `ep_group`: this rank's joined `engine.moe.ep_group.EPGroup` (`--expert-parallel` > 1), handed to the
+        engine."""
         self.config = config
         self.worker_id = config.worker_id or f"{config.role}-{os.getpid()}"
         self.events = WorkerEvents(self.worker_id, config.kv_events_endpoint, config.kv_replay_endpoint,
                                    config.block_size)
         device = self.events.device
-        self.bundle = bundle or build_engine(config, device.on_block_stored, device.on_block_removed)
+        self.bundle = bundle or build_engine(config, device.on_block_stored, device.on_block_removed, ep_group)
         self.bundle.device_events = device
         self.store = build_store(config, self.events.publisher)
         self.loop = EngineLoop(self.bundle, name=f"{config.role}-engine", events=device)
@@ -62,6 +65,7 @@ class WorkerBase(worker_pb2_grpc.WorkerServicer):
         self.admin = CacheAdmin(self.worker_id, self.loop, self.store, self.events)
         self.router_link: RouterLink | None = None
         self.metrics_server = None             # the /metrics HTTP server (config.metrics_port >= 0)
+        self.health_servicer: health.HealthServicer | None = None  # grpc.health.v1, once serving
         self.address = ""                      # host:port once serving
         self._inflight: dict[str, Tracked] = {}
         self._inflight_lock = threading.Lock()
@@ -124,7 +128,8 @@ class WorkerBase(worker_pb2_grpc.WorkerServicer):
         """Serve `/metrics` on a daemon thread: this worker's tiers as `strata_cache_*{worker, tier}` (the figures of
         `strata cache stats`, device included), its store's latency histograms and counters as
         `strata_kvstore_*{tier}` (`kvstore.metrics`), its load as `strata_worker_*{worker}`, and on a worker that
-        speculates its drafting as `strata_spec_*{worker}` (`worker_common.spec_stats`). Returns the URL."""
+        speculates its drafting as `strata_spec_*{worker}` (`worker_common.spec_stats`), on a MoE model its expert
+        load as `strata_moe_*` (`worker_common.moe_stats`). Returns the URL."""
         registry = CollectorRegistry()
         register_store_metrics(self.store, registry)
         registry.register(CacheTierCollector(lambda: [(self.worker_id, cache_stats(
@@ -132,6 +137,7 @@ class WorkerBase(worker_pb2_grpc.WorkerServicer):
         registry.register(LoadCollector(self.worker_id, self.load))
         if self.bundle.engine.speculation is not None:
             registry.register(SpecCollector(self.worker_id, self.speculative_stats))
+        registry.register(MoECollector(self.worker_id, self.bundle.runner.model, self.bundle.runner.ep))
         for collector in self.metrics_collectors():
             registry.register(collector)
         self.metrics_server, _ = start_http_server(self.config.metrics_port, addr=self.config.host, registry=registry)
@@ -182,12 +188,15 @@ class WorkerBase(worker_pb2_grpc.WorkerServicer):
             kv_replay_endpoint=advertised(self.events.replay_endpoint, host), transfer_backends=[config.transfer],
             tiers=list(self.admin.tiers), speculative=self.speculative_stats())
 
-    def start_router_link(self) -> None:
+    def start_router_link(self, load: Callable[[], common_pb2.WorkerLoad] | None = None,
+                          idle: Callable[[], bool] | None = None) -> None:
+        """`load` / `idle`: what heartbeats report and when a drained worker may leave (default: this worker's;
+        an expert-parallel group's front passes the group's)."""
         if not self.config.router_address:
             return
-        self.router_link = RouterLink(self.config.router_address, self.info, self.load, lambda: self.events.num_published,
-                                      self.config.heartbeat_s, self._drained_by_router, self._idle,
-                                      speculative=self.speculative_stats)
+        self.router_link = RouterLink(self.config.router_address, self.info, load or self.load,
+                                      lambda: self.events.num_published, self.config.heartbeat_s,
+                                      self._drained_by_router, idle or self._idle, speculative=self.speculative_stats)
         self.router_link.start()
 
     def _drained_by_router(self) -> None:
@@ -207,12 +216,14 @@ class WorkerBase(worker_pb2_grpc.WorkerServicer):
         self.events.close()
 
 
-def serve(service: WorkerBase, extra_ready: str = "") -> grpc.Server:
-    """Start the gRPC server (Worker + grpc.health.v1) and print the READY line."""
+def serve(service: WorkerBase, extra_ready: str = "", front: Any = None, ready_suffix: str = "") -> grpc.Server:
+    """Start the gRPC server (Worker + grpc.health.v1) and print the READY line. `front`: the Worker servicer to
+    install instead of `service` (an expert-parallel group's `worker_common.ep_front.EPFront`, whose `load` and
+    `idle` the router link then reports); `ready_suffix`: fields after the READY line's own."""
     config = service.config
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.grpc_threads), options=GRPC_OPTIONS)
-    worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
-    health_servicer = health.HealthServicer()
+    worker_pb2_grpc.add_WorkerServicer_to_server(front or service, server)
+    health_servicer = service.health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     if port == 0:
@@ -223,19 +234,45 @@ def serve(service: WorkerBase, extra_ready: str = "") -> grpc.Server:
     events = f"events={service.events.endpoint} replay={service.events.replay_endpoint}"
     metrics = f" metrics={service.start_metrics()}" if config.metrics_port >= 0 else ""
     print(f"READY {service.address} role={config.role} worker_id={service.worker_id} transfer={config.transfer}"
-          f"{' ' + extra_ready if extra_ready else ''} {events}{metrics}", flush=True)
-    service.start_router_link()
+          f"{' ' + extra_ready if extra_ready else ''} {events}{metrics}{' ' + ready_suffix if ready_suffix else ''}",
+          flush=True)
+    if front is not None:
+        service.start_router_link(front.load, front.idle)
+    else:
+        service.start_router_link()
     return server
 
 
-def run_until_signalled(service: WorkerBase, server: grpc.Server, on_exit: Callable[[], None]) -> None:
-    """Block until SIGTERM/SIGINT, then stop taking calls, finish (grace 5 s) and release everything."""
+def run_until_signalled(service: WorkerBase, server: grpc.Server, on_exit: Callable[[], None],
+                        failed: threading.Event | None = None, failed_wait_s: float = 0.0) -> int:
+    """Block until SIGTERM/SIGINT, then stop taking calls, finish (grace 5 s) and release everything: exit
+    status 0. Or until `failed` is set (an expert-parallel group broke): see `_stop_failed`; exit status 1."""
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
-    done.wait()
+    while not done.wait(0.1 if failed is not None else None):
+        if failed.is_set():
+            _stop_failed(service, server, on_exit, failed_wait_s)
+            return 1
     service.draining = True
     if service.router_link is not None:
         service.router_link.drain()  # the router stops sending new requests while the in-flight ones finish
     server.stop(grace=5).wait(6)
     on_exit()  # the service's close() deregisters from the router
+    return 0
+
+
+def _stop_failed(service: WorkerBase, server: grpc.Server, on_exit: Callable[[], None], wait_s: float) -> None:
+    """A worker that cannot serve any more: NOT_SERVING, out of the router's registry now (not drained: nothing in
+    flight can finish), then up to `wait_s` for the engine loop to fail what is in flight (UNAVAILABLE: the router
+    retries elsewhere), then stop."""
+    service.draining = True
+    if service.health_servicer is not None:
+        service.health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    if service.router_link is not None:
+        service.router_link.stop()   # Deregister, bounded
+    deadline = time.monotonic() + wait_s
+    while not service._idle() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    server.stop(grace=1).wait(2)
+    on_exit()
