@@ -79,12 +79,8 @@ class ExpertParallelMoE(MoEBackend):
 
     def apply_placement(self, placement: ExpertPlacement) -> int:
         """Move to `placement` (every rank at once, same placement): experts this rank lacks arrive from the
-        ranks that hold them. Returns how many experts arrived here."""
-        if not isinstance(self.inner, LocalMoE):
-            raise ValueError("moving experts between ranks needs float experts; quantized experts stay in place")
-        w13, w2, arrived = exchange_experts(self.group, self.placement, placement, self.inner.w13.detach(),
-                                            self.inner.w2.detach())
-        self.inner = LocalMoE(w13, w2, path=self.inner.path)
+        ranks that hold them, float or quantized. Returns how many experts arrived here."""
+        self.inner, arrived = exchange_experts(self.group, self.placement, placement, self.inner)
         self.placement = placement
         self._tables()
         return arrived

@@ -1,6 +1,6 @@
 """Expert parallelism through `strata serve` (issue 14 items 3 and 4): every prefill and decode worker runs as two
 ranks (`--expert-parallel 2`), rank 0 serving the group; experts are rebalanced every few forwards while requests
-run (`--num-redundant-experts 1 --eplb-interval 6`).
+run (`--num-redundant-experts 1 --eplb-interval 6`). Twice: plain, and with int8 weights and n-gram speculation.
 
 - Greedy completions, disaggregated and prefilled on the decode worker, give exactly one local engine's tokens,
   while experts are replicated and moved; rank 0's /metrics shows both ranks' load and the rebalances.
@@ -35,16 +35,28 @@ MAX_TOKENS = 16
 LOCAL_PREFILL_MAX_TOKENS = 16
 
 
-@pytest.fixture(scope="module")
-def reference():
-    return build_engine_from(bundled_model(), num_blocks=512, engine_text=True)
+# name -> the serving options the group runs with besides expert parallelism (the reference engine gets the same
+# quantization; it never speculates: speculation must not change greedy tokens)
+VARIANTS = {"plain": {}, "int8-ngram": {"quantization": "int8", "speculative": "ngram",
+                                        "speculative_adaptive": False}}
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def variant(request) -> dict:
+    return VARIANTS[request.param]
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def reference(variant):
+    return build_engine_from(bundled_model(), num_blocks=512, engine_text=True,
+                             quantization=variant.get("quantization"))
+
+
+@pytest.fixture(scope="module")
+def cluster(variant):
     config = ServeConfig(prefill=1, decode=2, grpc_port=0, http_port=0, expert_parallel=2, num_redundant_experts=1,
                          eplb_interval=6, eplb_window=64, local_prefill_max_tokens=LOCAL_PREFILL_MAX_TOKENS,
-                         ready_timeout_s=300, **SMALL_WORKERS)
+                         ready_timeout_s=300, **SMALL_WORKERS, **variant)
     with own_cluster(config, "expert-parallel") as cluster:
         yield cluster
 

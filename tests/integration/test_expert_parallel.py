@@ -94,19 +94,21 @@ def test_ep2_int8_experts_equal_local_int8(tiny_checkpoint):
         assert (logits - local_logits(path, prompt, quantization="int8")).abs().max().item() <= 1e-4
 
 
-def generate_tokens(group, rank, path, prompts, moe, speculative=None):
+def generate_tokens(group, rank, path, prompts, moe, speculative=None, quantization=None):
     """Each rank generates its share of the prompts greedily; rebalances happen while they decode."""
     spec = None if speculative is None else SpeculativeConfig(speculative, adaptive=False)
     bundle = build_engine_from(str(path), block_size=BLOCK, num_blocks=128, enforce_eager=True,
-                               moe=MoEConfig(**moe), ep_group=group, speculative=spec)
+                               moe=MoEConfig(**moe), ep_group=group, speculative=spec, quantization=quantization,
+                               quant_group_size=32)
     mine = prompts[rank::group.world_size]
     outputs = bundle.engine.generate(mine, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     ep = bundle.runner.ep
     return [o.token_ids for o in outputs], ep.rebalances, ep.last_rebalance
 
 
-def local_tokens(path, prompts):
-    bundle = build_engine_from(str(path), block_size=BLOCK, num_blocks=128, enforce_eager=True)
+def local_tokens(path, prompts, quantization=None):
+    bundle = build_engine_from(str(path), block_size=BLOCK, num_blocks=128, enforce_eager=True,
+                               quantization=quantization, quant_group_size=32)
     outputs = bundle.engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     return [o.token_ids for o in outputs]
 
@@ -118,14 +120,16 @@ def interleave(per_rank: list[list]) -> list:
     return out
 
 
-def test_ep2_greedy_tokens_equal_local_while_experts_move(tiny_checkpoint):
-    """EPLB every 4 forwards with a spare slot per rank: experts are replicated and moved while requests decode
-    (prefill and decode steps, three prompts so one rank idles at the end), and no token changes."""
+@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
+def test_ep2_greedy_tokens_equal_local_while_experts_move(tiny_checkpoint, quantization):
+    """EPLB every 4 forwards with a spare slot per rank: experts (float, or their packed quantized state) are
+    replicated and moved while requests decode (prefill and decode steps, three prompts so one rank idles at the
+    end), and no token changes."""
     path = tiny_checkpoint("qwen3_moe").path
     prompts = [make_prompt(6 + 3 * i, 10 + i) for i in range(3)]
     moe = {**EP, "num_redundant_experts": 1, "eplb_interval": 4, "eplb_window": 8}
-    results = run_group(2, generate_tokens, path, prompts, moe)
-    assert interleave([tokens for tokens, _, _ in results]) == local_tokens(path, prompts)
+    results = run_group(2, generate_tokens, path, prompts, moe, None, quantization)
+    assert interleave([tokens for tokens, _, _ in results]) == local_tokens(path, prompts, quantization)
     rebalances, last = results[0][1], results[0][2]
     assert rebalances >= 2 and results[1][1] == rebalances      # the same steps on both ranks
     assert last.experts_moved > 0
