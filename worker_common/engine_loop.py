@@ -97,6 +97,7 @@ class EngineLoop:
         # expert parallel: called once, on the engine thread, after a collective failed and every in-flight
         # request was failed (retryable); the worker then leaves (the group cannot be used again)
         self.on_group_failure: Callable[[EPGroupError], None] | None = None
+        self.group_end_expected = False   # the worker is shutting down: a group that breaks now is no error
 
     # ---- any thread -----------------------------------------------------------------------------------------
 
@@ -237,7 +238,7 @@ class EngineLoop:
         """A rank of the expert-parallel group is gone: fail everything here as retryable elsewhere, then tell the
         worker (which leaves: the group cannot step again)."""
         # NOTE: a group whose other ranks stop on purpose (SIGTERM) breaks too: no error then
-        level = logging.INFO if self._stopping.is_set() else logging.ERROR
+        level = logging.INFO if self._stopping.is_set() or self.group_end_expected else logging.ERROR
         log.log(level, "%s; failing %d in-flight request(s)", exc, len(self._tracked))
         for request_id in list(self._tracked):
             self._fail(request_id, Failure("expert-parallel group failed", str(exc), retryable=True))

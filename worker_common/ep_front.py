@@ -4,8 +4,10 @@ place of its own servicer. The router (and peers) see one worker; each request r
     router ──> rank 0's gRPC server: EPFront ──> rank 0's own service (a direct call)
                                              └─> rank r's service (a loopback gRPC call, streamed back)
 
-- Prefill, Decode, Generate: to the rank with the fewest requests in flight through the front; ties go by a stable
-  hash of the prompt's first tokens (a block's worth), so that prompts sharing a prefix meet the same rank's cache.
+- Prefill, Decode, Generate: to the rank holding the longest cached prefix of the prompt (`ep_events.RankHoldings`,
+  learned from every rank's KV events), unless it has more than `PREFIX_LOAD_SLACK` requests in flight beyond the
+  least busy rank; otherwise to the rank with the fewest requests in flight, ties going by a stable hash of the
+  prompt's first tokens (a block's worth), so that prompts sharing a prefix meet the same rank's cache.
   A forwarded call carries the caller's deadline; the caller's cancel (or its going away) cancels it; the rank's
   error status and details come back unchanged, but for a rank that is gone, or an UNAVAILABLE that does not name
   the rank: UNAVAILABLE naming it. Once the group failed (`fail`), every call ends UNAVAILABLE (the router retries
@@ -30,8 +32,10 @@ from typing import Callable, Iterator, NoReturn, Sequence
 
 import grpc
 
+from kvstore.hashing import hash_blocks
 from strata.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from worker_common.cache_stats import SHARED_TIERS
+from worker_common.ep_events import RankHoldings
 from worker_common.server import GRPC_OPTIONS, WorkerBase
 
 log = logging.getLogger(__name__)
@@ -41,6 +45,9 @@ _STATS_TIMEOUT_S = 1.0
 _CONTROL_TIMEOUT_S = 10.0          # Abort, ReleaseKv
 _ADMIN_TIMEOUT_S = 60.0            # EvictCache, FlushCache
 _MAX_LEASES = 1 << 16              # remembered lease owners (an unknown lease asks every rank)
+# A request goes to the rank holding its prefix while that rank has at most this many more requests in flight than
+# the least busy one (a load guard: one hot shared prefix must not pile every request onto one rank).
+PREFIX_LOAD_SLACK = 2
 
 
 def affinity(token_ids: Sequence[int], num_tokens: int) -> int:
@@ -57,9 +64,13 @@ class _Peer:
 
 class EPFront(worker_pb2_grpc.WorkerServicer):
     def __init__(self, local: WorkerBase, addresses: Sequence[str],
-                 alive: Callable[[int], bool] = lambda rank: True, affinity_tokens: int | None = None) -> None:
+                 alive: Callable[[int], bool] = lambda rank: True, affinity_tokens: int | None = None,
+                 holdings: RankHoldings | None = None) -> None:
         """`local`: rank 0's service; `addresses`: ranks 1..N-1's gRPC addresses, in rank order; `alive(rank)`:
-        whether that rank's process still runs; `affinity_tokens`: prompt tokens hashed for ties (default: a block)."""
+        whether that rank's process still runs; `affinity_tokens`: prompt tokens hashed for ties (default: a block);
+        `holdings`: which rank holds which blocks (None: placement by load alone)."""
+        self.holdings = holdings
+        self.relay = None                                    # the group's `ep_events.EventRelay`, closed with us
         self.local = local
         self.world_size = 1 + len(addresses)
         self.peers = [None] + [_Peer(r, a) for r, a in enumerate(addresses, start=1)]
@@ -99,24 +110,41 @@ class EPFront(worker_pb2_grpc.WorkerServicer):
         return [r for r in range(1, self.world_size) if not self._alive(r)]
 
     def close(self) -> None:
+        if self.relay is not None:
+            self.relay.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         for peer in self.peers[1:]:
             peer.channel.close()
 
     # ---- placement ------------------------------------------------------------------------------------------
 
-    def pick(self, token_ids: Sequence[int]) -> int:
-        """The rank with the fewest requests in flight; among equals, the prompt's affinity decides."""
+    def pick(self, token_ids: Sequence[int], cache_salt: str = "") -> int:
+        """The rank holding the prompt's longest cached prefix within the load guard; else the rank with the fewest
+        requests in flight, among equals the prompt's affinity."""
+        lengths = self._prefix_lengths(token_ids, cache_salt)
         with self._lock:
-            return self._pick_locked(token_ids)
+            return self._pick_locked(token_ids, lengths)
 
-    def _pick_locked(self, token_ids: Sequence[int]) -> int:
+    def _prefix_lengths(self, token_ids: Sequence[int], cache_salt: str) -> list[int] | None:
+        if self.holdings is None:
+            return None
+        bundle = self.local.bundle
+        hashes = hash_blocks(bundle.fingerprint_for(cache_salt), token_ids, bundle.block_size)
+        with self.holdings.lock:
+            return self.holdings.prefix_lengths(hashes)
+
+    def _pick_locked(self, token_ids: Sequence[int], lengths: list[int] | None = None) -> int:
         least = min(self._inflight)
+        if lengths is not None:
+            best = max(range(self.world_size), key=lambda r: (lengths[r], -self._inflight[r], -r))
+            if lengths[best] and self._inflight[best] <= least + PREFIX_LOAD_SLACK:
+                return best
         candidates = [r for r, n in enumerate(self._inflight) if n == least]
         return candidates[affinity(token_ids, self._affinity_tokens) % len(candidates)]
 
     @contextmanager
-    def _placed(self, request_id: str, token_ids: Sequence[int], context: grpc.ServicerContext) -> Iterator[int]:
+    def _placed(self, request_id: str, token_ids: Sequence[int], context: grpc.ServicerContext,
+                cache_salt: str = "") -> Iterator[int]:
         """Choose the request's rank and count it in flight there until the call ends."""
         if self.failure:
             context.abort(grpc.StatusCode.UNAVAILABLE, self.failure)
@@ -124,8 +152,9 @@ class EPFront(worker_pb2_grpc.WorkerServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id must not be empty")
         if self.local.draining:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {self.local.worker_id} is draining")
+        lengths = self._prefix_lengths(token_ids, cache_salt)
         with self._lock:
-            rank = None if request_id in self._owners else self._pick_locked(token_ids)
+            rank = None if request_id in self._owners else self._pick_locked(token_ids, lengths)
             if rank is not None:
                 self._owners[request_id] = rank
                 self._inflight[rank] += 1
@@ -141,7 +170,7 @@ class EPFront(worker_pb2_grpc.WorkerServicer):
     # ---- requests -------------------------------------------------------------------------------------------
 
     def Prefill(self, request: worker_pb2.PrefillRequest, context) -> worker_pb2.PrefillResponse:
-        with self._placed(request.request_id, request.token_ids, context) as rank:
+        with self._placed(request.request_id, request.token_ids, context, request.cache_salt) as rank:
             if rank == 0:
                 response = self.local.Prefill(request, context)
             else:
@@ -159,7 +188,7 @@ class EPFront(worker_pb2_grpc.WorkerServicer):
         yield from self._stream("Generate", request, context)
 
     def _stream(self, method: str, request, context) -> Iterator[worker_pb2.TokenChunk]:
-        with self._placed(request.request_id, request.token_ids, context) as rank:
+        with self._placed(request.request_id, request.token_ids, context, request.cache_salt) as rank:
             if rank == 0:
                 yield from getattr(self.local, method)(request, context)
             else:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -27,11 +26,12 @@ from pathlib import Path
 from typing import Callable, NamedTuple, Sequence
 
 from worker_common.config import WorkerConfig
+from worker_common.launch import READY
 
 log = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-RANK_READY = re.compile(r"^READY (\S+) role=(\w+) worker_id=(\S+)")
+RANK_READY = READY      # a rank prints the READY line every worker prints (worker_common.launch)
 _POLL_S = 0.1
 _STOP_GRACE_S = 10.0
 
@@ -100,6 +100,7 @@ class RankProcess:
                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True, bufsize=1,
                                      preexec_fn=_die_with_parent(os.getpid()))
         self.address = self.worker_id = ""
+        self.events_endpoint = self.replay_endpoint = ""       # its KV-event PUB and replay sockets ("" = none)
         self.ready = threading.Event()
         self._pump = threading.Thread(target=self._read, name=f"ep-rank{rank}-out", daemon=True)
         self._pump.start()
@@ -114,6 +115,7 @@ class RankProcess:
             line = line.rstrip("\n")
             if not self.ready.is_set() and (match := RANK_READY.match(line)):
                 self.address, self.worker_id = match.group(1), match.group(3)
+                self.events_endpoint, self.replay_endpoint = match.group(6) or "", match.group(7) or ""
                 self.ready.set()
             try:
                 print(f"ep-rank{self.rank}| {line}", file=sys.stderr, flush=True)

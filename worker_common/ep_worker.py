@@ -27,6 +27,7 @@ from typing import Any, Callable, Sequence
 from grpc_health.v1 import health_pb2
 
 from worker_common.config import WorkerConfig
+from worker_common.ep_events import EventRelay, RankHoldings
 from worker_common.ep_front import EPFront
 from worker_common.ep_ranks import ChildRanks, RankStartError, free_loopback_port
 from worker_common.server import WorkerBase, run_until_signalled, serve
@@ -140,11 +141,23 @@ def run_rank(role: str, service_type: type[WorkerBase], argv: Sequence[str], con
 def _front(service: WorkerBase, children: ChildRanks, failure: GroupFailure) -> EPFront:
     """Rank 0's front over its children, once each printed READY; the watch on them starts here."""
     addresses = children.wait_ready(RANK_READY_TIMEOUT_S)
-    front = EPFront(service, addresses, alive=children.alive)
+    holdings = RankHoldings(1 + len(addresses))
+    front = EPFront(service, addresses, alive=children.alive, holdings=holdings)
     failure.listen(front.fail)
+    front.relay = _relay(service, children, holdings)
 
     children.watch(lambda exited: failure.fail(children.exit_reason(exited)))
     return front
+
+
+def _relay(service: WorkerBase, children: ChildRanks, holdings: RankHoldings) -> EventRelay | None:
+    """Every rank's KV events into `holdings`; ranks 1..N-1's onto rank 0's stream (the router sees the group)."""
+    publisher = service.events.publisher
+    if publisher is None:
+        return None
+    streams = [(0, service.worker_id, service.events.endpoint, service.events.replay_endpoint)]
+    streams += [(c.rank, c.worker_id, c.events_endpoint, c.replay_endpoint) for c in children.ranks]
+    return EventRelay(holdings, streams, publisher.publish_batch)
 
 
 def _failure_reason(config: WorkerConfig, children: ChildRanks | None, exc: BaseException) -> str:

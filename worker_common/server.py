@@ -254,6 +254,7 @@ def run_until_signalled(service: WorkerBase, server: grpc.Server, on_exit: Calla
         if failed.is_set():
             _stop_failed(service, server, on_exit, failed_wait_s)
             return 1
+    service.loop.group_end_expected = True   # the other ranks of a group stop too
     service.draining = True
     if service.router_link is not None:
         service.router_link.drain()  # the router stops sending new requests while the in-flight ones finish
