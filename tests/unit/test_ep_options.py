@@ -16,6 +16,7 @@ from strata.launcher import LocalLauncher, ServeConfig, moe_args
 from worker_common.cli import parse_config
 from worker_common.config import WorkerConfig
 from worker_common.ep_ranks import rank_argv, rank_disk_path, rank_worker_id
+from tests.unit.recording_launcher import RecordingLauncher
 
 MOE_FLAGS = ["--expert-parallel", "4", "--moe-capacity-factor", "1.25", "--moe-overflow", "next",
              "--num-redundant-experts", "2", "--eplb-interval", "50", "--eplb-window", "400"]
@@ -145,25 +146,6 @@ def test_rank_names_and_disk_paths_differ_per_rank():
 
 
 # ---- strata serve ---------------------------------------------------------------------------------------------------
-
-class RecordingLauncher:
-    """Stands in for `LocalLauncher`: records the config `strata serve` built, starts nothing."""
-
-    configs: list[ServeConfig] = []
-
-    def __init__(self, config: ServeConfig, log=None) -> None:
-        RecordingLauncher.configs.append(config)
-
-    def start(self):
-        from strata.launcher import LaunchError
-        raise LaunchError("not started (test)", "router", 3)
-
-    def stop(self) -> None:
-        pass
-
-    def interrupt(self) -> None:
-        pass
-
 
 def test_serve_flags_reach_the_serve_config(monkeypatch):
     monkeypatch.setattr("strata.launcher.LocalLauncher", RecordingLauncher)

@@ -15,6 +15,7 @@ from strata.paths import REPO_ROOT, bundled_model
 from strata.speculative_options import speculative_config, worker_args
 from worker_common.cli import parse_config
 from worker_common.config import WorkerConfig
+from tests.unit.recording_launcher import RecordingLauncher
 
 DRAFT = bundled_model("strata-draft-tiny")
 
@@ -87,25 +88,6 @@ def test_a_prefill_worker_takes_the_flags_and_never_builds_a_drafter():
 
 
 # ---- strata serve ---------------------------------------------------------------------------------------------------
-
-class RecordingLauncher:
-    """Stands in for `LocalLauncher`: records the config `strata serve` built, starts nothing."""
-
-    configs: list[ServeConfig] = []
-
-    def __init__(self, config: ServeConfig, log=None) -> None:
-        RecordingLauncher.configs.append(config)
-
-    def start(self):
-        from strata.launcher import LaunchError
-        raise LaunchError("not started (test)", "router", 3)
-
-    def stop(self) -> None:
-        pass
-
-    def interrupt(self) -> None:
-        pass
-
 
 def test_serve_flags_reach_the_serve_config(monkeypatch):
     monkeypatch.setattr("strata.launcher.LocalLauncher", RecordingLauncher)
