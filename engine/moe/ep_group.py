@@ -15,12 +15,17 @@ closed socket at once; a rank hung: after `timeout_s`) raises `EPGroupError`, an
 from __future__ import annotations
 
 import contextlib
+import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Iterator, NamedTuple
 
 import torch
 import torch.distributed as dist
+
+from engine.moe import shm_exchange
+from engine.moe.shm_exchange import ShmExchange
 
 
 class EPGroupError(RuntimeError):
@@ -36,6 +41,7 @@ class EPGroupSpec:
     rank: int
     init_method: str
     timeout_s: float = 30.0
+    shm_bytes: int = 8 << 20        # per rank and buffer, for same-host exchanges (0: gloo only)
 
     def __post_init__(self) -> None:
         if not 1 <= self.world_size <= 64:
@@ -46,6 +52,31 @@ class EPGroupSpec:
             raise ValueError(f"ep init_method must be tcp://HOST:PORT, got {self.init_method!r}")
         if self.timeout_s <= 0:
             raise ValueError(f"ep timeout_s must be > 0, got {self.timeout_s}")
+
+
+def _shared_memory(spec: EPGroupSpec) -> ShmExchange | None:
+    """The group's shared-memory exchange when every rank is on this host and the platform allows it (a
+    collective: every rank calls it once, after joining)."""
+    me = (socket.gethostname(), os.getpid())
+    everyone: list = [None] * spec.world_size
+    dist.all_gather_object(everyone, me)
+    size = shm_exchange.segment_bytes(spec.world_size, spec.shm_bytes)
+    usable = torch.tensor([int(shm_exchange.supported(size) and all(h == me[0] for h, _ in everyone))])
+    dist.all_reduce(usable, op=dist.ReduceOp.MIN)
+    if not usable.item():
+        return None
+    name = [ShmExchange.fresh_name() if spec.rank == 0 else None]
+    if spec.rank == 0:
+        exchange = ShmExchange(0, spec.world_size, name[0], spec.shm_bytes, True, [p for _, p in everyone],
+                               spec.timeout_s)
+    dist.broadcast_object_list(name, src=0)
+    if spec.rank != 0:
+        exchange = ShmExchange(spec.rank, spec.world_size, name[0], spec.shm_bytes, False,
+                               [p for _, p in everyone], spec.timeout_s)
+    dist.barrier()
+    if spec.rank == 0:
+        exchange.unlink()           # every rank mapped it: nothing is left behind, whatever happens next
+    return exchange
 
 
 class StepPlan(NamedTuple):
@@ -64,6 +95,7 @@ class EPGroup:
         self.offline_depth = 0          # > 0: forwards do not exchange (warm-up, compile)
         self.step_rows = 0              # rows per rank of the forward in progress (join_step's agreement)
         self.in_step = False
+        self.shm: ShmExchange | None = None     # same-host exchanges through shared memory (None: gloo)
         self.bytes_to_peers = 0         # all-to-all bytes this rank sent to other ranks (padding included)
         self.rank_pairs = [0] * world_size      # pairs each rank's experts computed, cumulative (via join_step)
         self.last_pairs = [0] * world_size      # the same, reported at the last join
@@ -79,13 +111,19 @@ class EPGroup:
         except Exception as exc:  # noqa: BLE001 - any rendezvous failure is the same error to the caller
             raise EPGroupError(f"expert-parallel rank {spec.rank} of {spec.world_size} could not join the group at "
                                f"{spec.init_method}: {exc}") from exc
-        return cls(spec.rank, spec.world_size, dist.group.WORLD)
+        group = cls(spec.rank, spec.world_size, dist.group.WORLD)
+        if spec.shm_bytes:
+            group.shm = group._run_setup(lambda: _shared_memory(spec))
+        return group
 
     @classmethod
     def single(cls) -> EPGroup:
         return cls(0, 1, None)
 
     def close(self) -> None:
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
         if self._pg is not None and dist.is_initialized():
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
@@ -98,7 +136,10 @@ class EPGroup:
         (token, expert) pairs this rank computed since its last join; every rank learns every rank's
         (`rank_pairs`), so any rank can report the group's load per rank."""
         mine = torch.tensor([rows, int(rebalance), pairs], dtype=torch.int64)
-        every = self.all_gather(mine)                                             # [N, 3]
+        if self.shm is not None:        # an all-gather as an all-to-all of the same block to everyone
+            every = self._exchange(mine.expand(self.world_size, 3).contiguous(), "join_step")   # [N, 3]
+        else:
+            every = self.all_gather(mine)                                         # [N, 3]
         plan = StepPlan(int(every[:, 0].max()), bool(every[:, 1].max()))
         self.last_pairs = every[:, 2].tolist()
         self.rank_pairs = [a + b for a, b in zip(self.rank_pairs, self.last_pairs)]
@@ -113,9 +154,17 @@ class EPGroup:
         if self.world_size == 1:
             return send
         send = send.contiguous()
-        recv = torch.empty_like(send)
         self.bytes_to_peers += send.numel() * send.element_size() * (self.world_size - 1) // self.world_size
-        self._run(lambda: dist.all_to_all_single(recv, send, group=self._pg), "all_to_all")
+        return self._exchange(send, "all_to_all")
+
+    def _exchange(self, send: torch.Tensor, what: str) -> torch.Tensor:
+        """Equal blocks, block j to rank j: through shared memory when it fits, else gloo (all ranks alike)."""
+        if self.shm is not None and self.shm.fits(send.numel() * send.element_size()):
+            out: list[torch.Tensor] = []
+            self._run(lambda: out.append(self.shm.all_to_all(send)), what)
+            return out[0]
+        recv = torch.empty_like(send)
+        self._run(lambda: dist.all_to_all_single(recv, send, group=self._pg), what)
         return recv
 
     def all_to_all_uneven(self, send: torch.Tensor, send_rows: list[int], recv_rows: list[int]) -> torch.Tensor:
@@ -160,6 +209,11 @@ class EPGroup:
             yield
         finally:
             self.offline_depth -= 1
+
+    def _run_setup(self, fn):
+        out: list = []
+        self._run(lambda: out.append(fn()), "shared-memory setup")
+        return out[0]
 
     def _run(self, fn, what: str) -> None:
         if self.error is not None:

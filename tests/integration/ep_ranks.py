@@ -20,10 +20,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world: int, port: int, target: Callable, args: tuple, results: mp.Queue) -> None:
+def _rank_main(rank: int, world: int, port: int, target: Callable, args: tuple, results: mp.Queue,
+               shm_bytes: int) -> None:
     import torch
     torch.set_num_threads(1)
-    group = EPGroup.init(EPGroupSpec(world, rank, f"tcp://127.0.0.1:{port}", timeout_s=120.0))
+    group = EPGroup.init(EPGroupSpec(world, rank, f"tcp://127.0.0.1:{port}", timeout_s=120.0, shm_bytes=shm_bytes))
     try:
         results.put((rank, "ok", target(group, rank, *args)))
     except BaseException:  # noqa: BLE001 - the parent reports it
@@ -33,13 +34,15 @@ def _rank_main(rank: int, world: int, port: int, target: Callable, args: tuple, 
 
 
 def run_group(world: int, target: Callable, *args: Any, timeout_s: float = 300.0,
-              expect: tuple[int, ...] | None = None) -> list[Any]:
-    """Results in rank order; `expect`: the ranks that report (a test may make the others die), None = all."""
+              expect: tuple[int, ...] | None = None, shm_bytes: int = 8 << 20) -> list[Any]:
+    """Results in rank order; `expect`: the ranks that report (a test may make the others die), None = all;
+    `shm_bytes`: the group's shared-memory buffers (0: every exchange through gloo)."""
     expect = tuple(range(world)) if expect is None else expect
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, target, args, results), daemon=True)
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, target, args, results, shm_bytes),
+                         daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()

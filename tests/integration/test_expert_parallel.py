@@ -55,13 +55,15 @@ def local_logits(path, prompt, moe=None, quantization=None):
     return runner.execute(prefill_batch(prompt))
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe"])
-def test_ep2_logits_equal_local_logits_for_each_gating(tiny_checkpoint, arch):
+@pytest.mark.parametrize("arch,shm", [("mixtral", True), ("qwen2_moe", True), ("qwen3_moe", True),
+                                      ("qwen3_moe", False)])
+def test_ep2_logits_equal_local_logits_for_each_gating(tiny_checkpoint, arch, shm):
     """Mixtral (top-2 renormalised), Qwen2-MoE (shared expert with its sigmoid gate, no renormalisation) and
-    Qwen3-MoE (renormalised): float32 logits within 1e-5 of the local backend, ranks with different batch sizes."""
+    Qwen3-MoE (renormalised): float32 logits within 1e-5 of the local backend, ranks with different batch sizes;
+    exchanges through shared memory, and once all through gloo."""
     path = tiny_checkpoint(arch).path
     prompts = [make_prompt(7, 1), make_prompt(12, 2)]
-    results = run_group(2, forward_logits, path, prompts, EP)
+    results = run_group(2, forward_logits, path, prompts, EP, shm_bytes=(8 << 20) if shm else 0)
     for prompt, (logits, _) in zip(prompts, results):
         expected = local_logits(path, prompt)
         assert (logits - expected).abs().max().item() <= 1e-5
@@ -141,6 +143,22 @@ def test_ep2_with_ngram_speculation_greedy_tokens_equal_local(tiny_checkpoint):
     prompts = [make_prompt(5, 20) * 3, make_prompt(4, 21) * 4]
     results = run_group(2, generate_tokens, path, prompts, EP, "ngram")
     assert interleave([tokens for tokens, _, _ in results]) == local_tokens(path, prompts)
+
+
+def exchange_both_ways(group, rank):
+    """Blocks that fit the shared-memory buffers go through them; a larger exchange through gloo; both exact."""
+    small = torch.arange(2 * 1000, dtype=torch.float32).view(2, 1000) + 10_000 * rank
+    large = torch.arange(2 * 600_000, dtype=torch.float32).view(2, 600_000) + 10_000_000 * rank   # 4.8 MB
+    fits = [group.shm.fits(t.numel() * 4) for t in (small, large)]
+    return fits, group.all_to_all(small), group.all_to_all(large), small, large
+
+
+def test_ep2_exchanges_through_shared_memory_and_gloo_give_every_rank_its_blocks():
+    results = run_group(2, exchange_both_ways, shm_bytes=1 << 20)
+    for rank, (fits, got_small, got_large, _, _) in enumerate(results):
+        assert fits == [True, False]
+        for got, index in ((got_small, 3), (got_large, 4)):
+            assert torch.equal(got, torch.stack([results[j][index][rank] for j in range(2)]))
 
 
 def die_after_first_step(group, rank, path):
