@@ -16,7 +16,7 @@ import torch
 CACHE_RESIDENT_BYTES = 16 << 20     # a layer's expert weights at or under this stay in the 32 MB L3 measured on
 
 # NOTE: measured medians, us per layer, CPU time of 1 thread (AMD EPYC, AVX-512 BF16), from
-# `python benchmarks/moe_bench.py --seconds 5` (full table in docs/moe.md). Compiled, gather vs the best other
+# `python benchmarks/moe_bench.py --parts paths --seconds 5` (full table in docs/moe.md). Compiled, gather vs the best other
 # sync-free path (and the old eager loop):
 #   E=8 k=2 H=I=256 fp32:  T=1 158 vs 356 (loop 177) | T=8 472 vs 920 (923) | T=64 1509 vs 1688 grouped (1723)
 #   E=8 k=2 H=I=256 bf16:  T=8 354 vs 459 dense (612) | T=16 716 vs 732 dense | T=32 931 vs 774 dense, 928 grouped
