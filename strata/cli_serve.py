@@ -91,8 +91,8 @@ def serve(
                                             help="OpenAI HTTP port (default 8000; 0 = free; -1 = off)"),
     redis_url: Optional[str] = typer.Option(None, "--redis-url", help="add a shared Redis tier"),
     s3_url: Optional[str] = typer.Option(None, "--s3-url", callback=_check_s3_url,
-                                         help="add a shared S3 tier: s3://BUCKET[/PREFIX] or "
-                                              "http(s)://HOST:PORT/BUCKET[/PREFIX] (S3-compatible server)"),
+                                         help="add a shared S3 tier: s3://BUCKET\\[/PREFIX] or "   # \\[: rich markup escape
+                                              "http(s)://HOST:PORT/BUCKET\\[/PREFIX] (S3-compatible server)"),
     data_dir: Optional[str] = typer.Option(None, "--data-dir", help="where disk tiers live (default: a temp dir)"),
     no_disk: bool = typer.Option(False, "--no-disk", help="host tier only"),
     transfer: Optional[str] = typer.Option(None, help="KV transfer backend: shm, tcp or nixl (default shm)"),

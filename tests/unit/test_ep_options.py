@@ -202,3 +202,13 @@ def test_both_roles_get_the_expert_parallel_flags(monkeypatch, tmp_path):
 def test_default_serve_passes_no_expert_parallel_flags():
     assert moe_args(ServeConfig()) == []
     assert moe_args(ServeConfig(moe_overflow="next")) == ["--moe-overflow", "next"]
+
+
+def test_serve_help_shows_every_flag_including_the_expert_parallel_ones():
+    """`strata serve --help` renders (rich markup in a help text once broke it) and lists the MoE flags."""
+    out = CliRunner().invoke(app, ["serve", "--help"], terminal_width=200)
+    assert out.exit_code == 0, out.output
+    for flag in ("--expert-parallel", "--num-redundant-experts", "--eplb-interval", "--moe-capacity-factor",
+                 "--s3-url"):
+        assert flag in out.output
+    assert "BUCKET[/PREFIX]" in out.output
