@@ -158,7 +158,7 @@ def _layer_result(group: EPGroup, name: str, shape: BenchShape, spec: LayerSpec,
 # ---- balance ---------------------------------------------------------------------------------------------------
 
 def _measured_imbalance(group: EPGroup, layer: torch.nn.Module, forwards: int) -> dict:
-    pairs = group.all_gather(torch.tensor(layer.pairs_window[-forwards:], dtype=torch.float64))   # [N, F]
+    pairs = group.all_gather(torch.tensor(list(layer.pairs_window)[-forwards:], dtype=torch.float64))   # [N, F]
     per_rank = pairs.sum(dim=1)                                                                  # [N]
     per_forward = pairs.amax(dim=0) / pairs.mean(dim=0).clamp_min(1e-9)                          # [F]
     return {"imbalance": float(per_rank.max() / per_rank.mean()), "imbalance_per_forward": float(per_forward.mean()),

@@ -15,6 +15,7 @@ Under torch.compile the layer is one opaque custom op (`strata::ep_moe`): the ex
 """
 from __future__ import annotations
 
+import collections
 import weakref
 from typing import Callable
 
@@ -42,7 +43,7 @@ class ExpertParallelMoE(MoEBackend):
         self.inner: MoEBackend | None = None            # this rank's slots, after post_load
         self.window = LoadWindow(self._num_experts, config.eplb_window)
         self.pairs_computed = 0                          # pairs this rank's experts ran, cumulative
-        self.pairs_window: list[int] = []                # pairs this rank ran, per forward (last eplb_window)
+        self.pairs_window: collections.deque[int] = collections.deque(maxlen=config.eplb_window)  # per forward
         self.handle = _NEXT_HANDLE[0]
         _NEXT_HANDLE[0] += 1
         _LAYERS[self.handle] = self
@@ -131,15 +132,16 @@ class ExpertParallelMoE(MoEBackend):
 
     def _compute(self, recv: torch.Tensor, top_k: int, dtype: torch.dtype) -> torch.Tensor:
         arrived = unpack(recv, self.hidden, top_k, dtype)
-        out = arrived.x.new_zeros(arrived.x.shape)                                 # [N*rows, H]
         pairs = arrived.row.numel()
         self.pairs_computed += pairs
-        self.pairs_window = (self.pairs_window + [pairs])[-self.config.eplb_window:]
-        if pairs:
-            y = self.inner(arrived.x[arrived.row], arrived.slot.unsqueeze(1),
-                           arrived.weight.to(dtype).unsqueeze(1))                 # [P, H] weighted
-            out.index_add_(0, arrived.row, y)
-        return out
+        self.pairs_window.append(pairs)
+        if not pairs:
+            return arrived.x.new_zeros(arrived.x.shape)                            # [N*rows, H]
+        weight = arrived.weight.to(dtype)
+        if isinstance(self.inner, LocalMoE):
+            return self.inner.run_pairs(arrived.x, arrived.row, arrived.slot, weight)
+        y = self.inner(arrived.x[arrived.row], arrived.slot.unsqueeze(1), weight.unsqueeze(1))   # [P, H]
+        return arrived.x.new_zeros(arrived.x.shape).index_add_(0, arrived.row, y)
 
     def _run_offline(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                      keep: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from engine.moe.backend import MoEBackend, register_moe_backend
-from engine.moe.paths import PATHS, grouped_mm_supported
+from engine.moe.paths import PATHS, grouped_mm, grouped_mm_supported, silu_and_mul
 from engine.moe.plan import MoEShape, choose_path
 from engine.moe.triton_moe import fused_moe_op, triton_available
 
@@ -41,6 +41,25 @@ class LocalMoE(MoEBackend):
         if path == "triton":
             return fused_moe_op(x, self.w13, self.w2, topk_ids, topk_weights)
         return PATHS[path](x, self.w13, self.w2, topk_ids, topk_weights)
+
+    def run_pairs(self, x: torch.Tensor, row: torch.Tensor, slot: torch.Tensor,
+                  weight: torch.Tensor) -> torch.Tensor:
+        """Rows `x [R, H]` and (row, expert slot, weight) pairs `[P]` each -> `[R, H]`: each row's weighted sum over
+        its pairs (an expert-parallel rank's arrivals: a row may have several of this rank's experts, or none).
+        The grouped path gathers each pair's row once, already sorted by expert; other paths run pairs as tokens."""
+        pairs = slot.numel()
+        out = x.new_zeros(x.shape)                                                 # [R, H]
+        path = self.path or choose_path(self.shape, pairs, 1, x.dtype, x.is_cuda and triton_available(), False,
+                                        grouped_mm_supported(x, self.w13, self.w2))
+        if path != "grouped":
+            return out.index_add_(0, row, self.run(path, x[row], slot.unsqueeze(1), weight.unsqueeze(1)))
+        order = torch.argsort(slot, stable=True)                                   # [P] pairs by expert
+        rows = row[order]
+        ends = torch.searchsorted(slot[order], torch.arange(self.num_experts, device=x.device),
+                                  right=True).to(torch.int32)                      # [E] end of each group
+        act = silu_and_mul(grouped_mm(x[rows], self.w13.transpose(1, 2), ends))   # [P, I]
+        y = grouped_mm(act, self.w2.transpose(1, 2), ends) * weight[order].unsqueeze(-1)   # [P, H]
+        return out.index_add_(0, rows, y)
 
     def forward_gather(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         return self.run("gather", x, topk_ids, topk_weights)

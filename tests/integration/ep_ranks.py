@@ -6,6 +6,7 @@ processes, each joins one `EPGroup` and calls `target(group, rank, *args)`; thei
 from __future__ import annotations
 
 import multiprocessing as mp
+import pickle
 import queue
 import socket
 import traceback
@@ -26,7 +27,9 @@ def _rank_main(rank: int, world: int, port: int, target: Callable, args: tuple, 
     torch.set_num_threads(1)
     group = EPGroup.init(EPGroupSpec(world, rank, f"tcp://127.0.0.1:{port}", timeout_s=120.0, shm_bytes=shm_bytes))
     try:
-        results.put((rank, "ok", target(group, rank, *args)))
+        # NOTE: pickled by value here: a tensor put on the queue as is travels as a file descriptor that dies with
+        # this process, which may exit before the parent reads it
+        results.put((rank, "ok", pickle.dumps(target(group, rank, *args))))
     except BaseException:  # noqa: BLE001 - the parent reports it
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -52,7 +55,7 @@ def run_group(world: int, target: Callable, *args: Any, timeout_s: float = 300.0
             rank, status, value = results.get(timeout=timeout_s)
             if status != "ok":
                 raise AssertionError(f"rank {rank} failed:\n{value}")
-            out[rank] = value
+            out[rank] = pickle.loads(value)
     except queue.Empty:
         raise AssertionError(f"expert-parallel ranks gave no result in {timeout_s}s") from None
     finally:
