@@ -3,8 +3,8 @@ seconds spent in the layer's local experts ("experts"), in `EPGroup.join_step` (
 `EPGroup.all_to_all` ("all_to_all": the exchange itself and the wait for the slower rank). The rest of a step is
 routing, packing and combining. The group and the layer are restored on exit.
 
-It wraps the group's methods on the instance and the layer's executor through `set_inner`: a benchmark's
-instrument, not a product API.
+It wraps the group's methods and the layer's executor's entry points (`run_pairs`, `forward`) on the instances, so
+the step takes the same code path as without the clock: a benchmark's instrument, not a product API.
 """
 from __future__ import annotations
 
@@ -34,23 +34,17 @@ class StepClock:
         return timed
 
 
-class _TimedExperts(torch.nn.Module):
-    def __init__(self, inner: torch.nn.Module, clock: StepClock) -> None:
-        super().__init__()
-        self.inner, self.run = inner, clock.wrap("experts", inner)
-
-    def forward(self, *args: torch.Tensor) -> torch.Tensor:
-        return self.run(*args)
-
-
 @contextlib.contextmanager
 def step_clock(group: EPGroup, layer: torch.nn.Module) -> Iterator[StepClock]:
     clock, inner = StepClock(), layer.inner
-    layer.set_inner(_TimedExperts(inner, clock))
+    entries = [name for name in ("run_pairs", "forward") if hasattr(inner, name)]
+    for name in entries:
+        setattr(inner, name, clock.wrap("experts", getattr(inner, name)))
     group.join_step = clock.wrap("join", group.join_step)
     group.all_to_all = clock.wrap("all_to_all", group.all_to_all)
     try:
         yield clock
     finally:
-        layer.set_inner(inner)
-        del group.join_step, group.all_to_all       # the instance attributes: the class's methods show again
+        for name in entries:
+            delattr(inner, name)                    # the instance attributes: the class's methods show again
+        del group.join_step, group.all_to_all
