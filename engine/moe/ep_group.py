@@ -42,6 +42,10 @@ class EPGroupSpec:
     init_method: str
     timeout_s: float = 30.0
     shm_bytes: int = 8 << 20        # per rank and buffer, for same-host exchanges (0: gloo only)
+    # gloo with CPU tensors, or nccl with each rank's tensors on its own GPU (`device`: cuda:N; NCCL cannot put
+    # two ranks on one device). NOTE: the nccl path is written for GPUs and not yet run on any (none was lent).
+    backend: str = "gloo"
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         if not 1 <= self.world_size <= 64:
@@ -52,6 +56,9 @@ class EPGroupSpec:
             raise ValueError(f"ep init_method must be tcp://HOST:PORT, got {self.init_method!r}")
         if self.timeout_s <= 0:
             raise ValueError(f"ep timeout_s must be > 0, got {self.timeout_s}")
+        if (self.backend, self.device.split(":")[0]) not in (("gloo", "cpu"), ("nccl", "cuda")):
+            raise ValueError(f"ep backend/device must be gloo with cpu or nccl with cuda[:N], got "
+                             f"{self.backend!r} with {self.device!r}")
 
 
 def _shared_memory(spec: EPGroupSpec) -> ShmExchange | None:
@@ -88,9 +95,10 @@ class StepPlan(NamedTuple):
 
 
 class EPGroup:
-    def __init__(self, rank: int, world_size: int, pg: object | None) -> None:
+    def __init__(self, rank: int, world_size: int, pg: object | None, device: str = "cpu") -> None:
         """Use `init` (or `single()` for a one-rank group that needs no process group)."""
         self.rank, self.world_size, self._pg = rank, world_size, pg
+        self.device = torch.device(device)     # where the group's collectives take their tensors
         self.error: EPGroupError | None = None
         self.offline_depth = 0          # > 0: forwards do not exchange (warm-up, compile)
         self.step_rows = 0              # rows per rank of the forward in progress (join_step's agreement)
@@ -106,13 +114,15 @@ class EPGroup:
         if spec.world_size == 1:
             return cls.single()
         try:
-            dist.init_process_group("gloo", init_method=spec.init_method, rank=spec.rank,
+            if spec.backend == "nccl":
+                torch.cuda.set_device(torch.device(spec.device))
+            dist.init_process_group(spec.backend, init_method=spec.init_method, rank=spec.rank,
                                     world_size=spec.world_size, timeout=timedelta(seconds=spec.timeout_s))
         except Exception as exc:  # noqa: BLE001 - any rendezvous failure is the same error to the caller
             raise EPGroupError(f"expert-parallel rank {spec.rank} of {spec.world_size} could not join the group at "
                                f"{spec.init_method}: {exc}") from exc
-        group = cls(spec.rank, spec.world_size, dist.group.WORLD)
-        if spec.shm_bytes:
+        group = cls(spec.rank, spec.world_size, dist.group.WORLD, spec.device)
+        if spec.shm_bytes and spec.backend == "gloo":
             group.shm = group._run_setup(lambda: _shared_memory(spec))
         return group
 
@@ -135,7 +145,7 @@ class EPGroup:
         """Agree on this step: the largest forward (rows) and whether to rebalance experts first. `pairs`: the
         (token, expert) pairs this rank computed since its last join; every rank learns every rank's
         (`rank_pairs`), so any rank can report the group's load per rank."""
-        mine = torch.tensor([rows, int(rebalance), pairs], dtype=torch.int64)
+        mine = torch.tensor([rows, int(rebalance), pairs], dtype=torch.int64, device=self.device)
         if self.shm is not None:        # an all-gather as an all-to-all of the same block to everyone
             every = self._exchange(mine.expand(self.world_size, 3).contiguous(), "join_step")   # [N, 3]
         else:
@@ -159,7 +169,7 @@ class EPGroup:
 
     def _exchange(self, send: torch.Tensor, what: str) -> torch.Tensor:
         """Equal blocks, block j to rank j: through shared memory when it fits, else gloo (all ranks alike)."""
-        if self.shm is not None and self.shm.fits(send.numel() * send.element_size()):
+        if self.shm is not None and not send.is_cuda and self.shm.fits(send.numel() * send.element_size()):
             out: list[torch.Tensor] = []
             self._run(lambda: out.append(self.shm.all_to_all(send)), what)
             return out[0]

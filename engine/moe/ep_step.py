@@ -78,15 +78,17 @@ class ExpertParallelStep:
 
     def rebalance(self) -> RebalanceResult:
         """Collective: every rank, between two forwards."""
-        load = torch.tensor([layer.window.total() for layer in self.layers], dtype=torch.float64)   # [L, E]
-        load = self.group.all_reduce_sum(load)
+        load = torch.tensor([layer.window.total() for layer in self.layers], dtype=torch.float64,
+                            device=self.group.device)                                           # [L, E]
+        load = self.group.all_reduce_sum(load).cpu()
         before, after, moved = [], [], 0
         for layer, layer_load in zip(self.layers, load.tolist()):
             placement = rebalance(layer_load, self.group.world_size, layer.slots_per_rank)
             before.append(imbalance(rank_loads(layer.placement, layer_load)))
             after.append(imbalance(rank_loads(placement, layer_load)))
             moved += layer.apply_placement(placement)
-        moved_total = int(self.group.all_reduce_sum(torch.tensor([moved], dtype=torch.int64)))
+        moved_total = int(self.group.all_reduce_sum(torch.tensor([moved], dtype=torch.int64,
+                                                                 device=self.group.device)).item())
         n = max(len(self.layers), 1)
         result = RebalanceResult(len(self.layers), moved_total, sum(before) / n, sum(after) / n)
         self.last_rebalance, self.rebalances = result, self.rebalances + 1

@@ -34,7 +34,7 @@ def exchange_experts(group: EPGroup, old: ExpertPlacement, new: ExpertPlacement,
     template = expert_tensors(inner, 0)
     width = sum(t.numel() * t.element_size() for t in template)
     wire = torch.stack([_to_row(expert_tensors(inner, m.src_local_slot)) for m in sends]) if sends else \
-        torch.empty(0, width, dtype=torch.uint8)                                   # [n, bytes]
+        torch.empty(0, width, dtype=torch.uint8, device=template[0].device)       # [n, bytes]
     send_rows = [sum(m.dst_rank == j for m in sends) for j in range(world)]
     recv_rows = [sum(m.src_rank == j for m in recvs) for j in range(world)]
     arrived = group.all_to_all_uneven(wire, send_rows, recv_rows)                 # [sum(recv_rows), bytes]

@@ -38,7 +38,7 @@ class ExpertParallelMoE(MoEBackend):
         super().__init__(w13, w2)
         self.group, self.config = group, config
         self._num_experts = w13.shape[0]
-        self.hidden = w2.shape[1]
+        self.hidden, self.device = w2.shape[1], w13.device
         self.placement = contiguous(self._num_experts, group.world_size, config.num_redundant_experts)
         self.inner: MoEBackend | None = None            # this rank's slots, after post_load
         self.window = LoadWindow(self._num_experts, config.eplb_window)
@@ -90,8 +90,9 @@ class ExpertParallelMoE(MoEBackend):
         """Replica lookup tensors: `rep_count [E]`, `rep_slot [E, max replicas]` (physical slots)."""
         replicas = [self.placement.replicas(e) for e in range(self._num_experts)]
         width = max(map(len, replicas))
-        self.rep_count = torch.tensor([len(r) for r in replicas], dtype=torch.int64)
-        self.rep_slot = torch.tensor([list(r) + [r[0]] * (width - len(r)) for r in replicas], dtype=torch.int64)
+        self.rep_count = torch.tensor([len(r) for r in replicas], dtype=torch.int64, device=self.device)
+        self.rep_slot = torch.tensor([list(r) + [r[0]] * (width - len(r)) for r in replicas], dtype=torch.int64,
+                                     device=self.device)
 
     # ---- forward ------------------------------------------------------------------------------------------
 
@@ -118,12 +119,13 @@ class ExpertParallelMoE(MoEBackend):
 
     def idle(self, top_k: int, dtype: torch.dtype) -> None:
         """Join this layer's exchange with no tokens (a rank with no requests this step)."""
-        empty = torch.empty(0, self.hidden, dtype=dtype)
-        self.run(empty, torch.empty(0, top_k, dtype=torch.int64), torch.empty(0, top_k, dtype=dtype))
+        empty = torch.empty(0, self.hidden, dtype=dtype, device=self.device)
+        self.run(empty, torch.empty(0, top_k, dtype=torch.int64, device=self.device),
+                 torch.empty(0, top_k, dtype=dtype, device=self.device))
 
     def _route(self, ids: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each kept pair's replica (round robin over a token's index, offset by rank): (dest rank, local slot)."""
-        token = torch.arange(ids.shape[0], dtype=torch.int64).unsqueeze(1)        # [T, 1]
+        token = torch.arange(ids.shape[0], dtype=torch.int64, device=ids.device).unsqueeze(1)   # [T, 1]
         choice = (token + self.group.rank) % self.rep_count[ids]                   # [T, k]
         physical = self.rep_slot[ids, choice]                                      # [T, k]
         per_rank = self.slots_per_rank
@@ -147,7 +149,7 @@ class ExpertParallelMoE(MoEBackend):
                      keep: torch.Tensor) -> torch.Tensor:
         """No exchange (warm-up): the pairs whose expert has a slot here; the rest contribute zeros."""
         local = self.placement.local_experts(self.group.rank)
-        slot_of = torch.full((self._num_experts,), -1, dtype=torch.int64)
+        slot_of = torch.full((self._num_experts,), -1, dtype=torch.int64, device=ids.device)
         for s, e in enumerate(local):
             if e >= 0 and slot_of[e] < 0:
                 slot_of[e] = s

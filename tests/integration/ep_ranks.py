@@ -22,10 +22,12 @@ def free_port() -> int:
 
 
 def _rank_main(rank: int, world: int, port: int, target: Callable, args: tuple, results: mp.Queue,
-               shm_bytes: int) -> None:
+               shm_bytes: int, backend: str) -> None:
     import torch
     torch.set_num_threads(1)
-    group = EPGroup.init(EPGroupSpec(world, rank, f"tcp://127.0.0.1:{port}", timeout_s=120.0, shm_bytes=shm_bytes))
+    device = f"cuda:{rank}" if backend == "nccl" else "cpu"
+    group = EPGroup.init(EPGroupSpec(world, rank, f"tcp://127.0.0.1:{port}", timeout_s=120.0, shm_bytes=shm_bytes,
+                                     backend=backend, device=device))
     try:
         # NOTE: pickled by value here: a tensor put on the queue as is travels as a file descriptor that dies with
         # this process, which may exit before the parent reads it
@@ -37,14 +39,15 @@ def _rank_main(rank: int, world: int, port: int, target: Callable, args: tuple, 
 
 
 def run_group(world: int, target: Callable, *args: Any, timeout_s: float = 300.0,
-              expect: tuple[int, ...] | None = None, shm_bytes: int = 8 << 20) -> list[Any]:
+              expect: tuple[int, ...] | None = None, shm_bytes: int = 8 << 20, backend: str = "gloo") -> list[Any]:
     """Results in rank order; `expect`: the ranks that report (a test may make the others die), None = all;
-    `shm_bytes`: the group's shared-memory buffers (0: every exchange through gloo)."""
+    `shm_bytes`: the group's shared-memory buffers (0: every exchange through gloo); `backend`: nccl puts rank r on
+    cuda:r."""
     expect = tuple(range(world)) if expect is None else expect
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, target, args, results, shm_bytes),
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, target, args, results, shm_bytes, backend),
                          daemon=True)
              for r in range(world)]
     for p in procs:

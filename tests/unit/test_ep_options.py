@@ -212,3 +212,12 @@ def test_serve_help_shows_every_flag_including_the_expert_parallel_ones():
                  "--s3-url"):
         assert flag in out.output
     assert "BUCKET[/PREFIX]" in out.output
+
+
+def test_an_ep_group_spec_pairs_gloo_with_cpu_and_nccl_with_cuda():
+    from engine.moe.ep_group import EPGroupSpec
+    assert EPGroupSpec(2, 1, "tcp://127.0.0.1:1", backend="nccl", device="cuda:1").device == "cuda:1"
+    with pytest.raises(ValueError, match="gloo with cpu or nccl with cuda"):
+        EPGroupSpec(2, 0, "tcp://127.0.0.1:1", backend="nccl")
+    with pytest.raises(ValueError, match=r"ep rank must be in \[0, 1\]"):
+        EPGroupSpec(2, 2, "tcp://127.0.0.1:1")
