@@ -24,7 +24,7 @@ from kvstore.transfer import (Descriptor, LeaseExpired, PeerUnavailable, Transfe
                               TransferTimeout, UnknownRegion, pack_views)
 from strata.v1 import common_pb2
 from worker_common.engine_setup import EngineBundle
-from worker_common.kv_blocks import device_prefix_blocks, verified_payload
+from worker_common.kv_blocks import device_prefix_blocks, slot_bytes, verified_payload
 from worker_common.prefix_load import load_from_store
 
 log = logging.getLogger(__name__)
@@ -101,6 +101,11 @@ class KvPuller:
             return [], None, ""
         if any(loc.backend != self.agent.backend for loc in locations):
             return [], None, f"backend {locations[0].backend!r} is not this worker's ({self.agent.backend!r})"
+        largest = slot_bytes(self.bundle)
+        if any(not 0 < loc.length <= largest for loc in locations):
+            # NOTE: the handle comes from the caller: never allocate what it asks unchecked (a block is at most this)
+            bad = next(loc.length for loc in locations if not 0 < loc.length <= largest)
+            return [], None, f"a block location's length {bad} is outside (0, {largest}] bytes"
         remaining_s = kv.lease_deadline_unix_ms / 1000.0 - time.time() if kv.lease_deadline_unix_ms else None
         if remaining_s is not None and remaining_s <= 0:
             return [], None, "lease expired"

@@ -23,7 +23,8 @@ from router.events_feed import EventsFeed, SharedIndex
 from router.openai_api import RouterMetrics, create_app
 from router.policy import POLICIES, get_policy
 from router.registry import RegistryConfig, WorkerRegistry
-from router.service import RegistryService, StrataService, WorkerProbe, add_services, make_grpc_server
+from router.service import (RegistryService, StrataService, WorkerProbe, add_services, make_grpc_server,
+                            mark_serving)
 from strata.cache_metrics import ask_workers
 from strata.paths import resolve_model
 
@@ -144,8 +145,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     router.probe.start()
     stop = threading.Event()
     threading.Thread(target=_sweeper, args=(router, stop), name="registry-sweep", daemon=True).start()
-    from grpc_health.v1 import health_pb2
-    health.set("", health_pb2.HealthCheckResponse.SERVING)
+    mark_serving(health)
     try:
         if args.http_port < 0:
             print(f"READY grpc={args.host}:{grpc_port} http=", flush=True)

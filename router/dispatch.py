@@ -109,7 +109,8 @@ class Dispatcher:
         prompt = model.tokenize(params)
         grpc_door = door == "grpc"
         sampling = check_prompt(params, prompt, model.limits, ids_param="prompt.token_ids" if grpc_door else "prompt",
-                                bias_param="sampling.logit_bias" if grpc_door else "logit_bias")
+                                bias_param="sampling.logit_bias" if grpc_door else "logit_bias",
+                                stop_ids_param="sampling.stop_token_ids" if grpc_door else "stop_token_ids")
         self._check_drafter(model.id, sampling.speculative, "sampling.speculative" if grpc_door else "speculative")
         default = self.config.default_timeout_s
         timeout = default if timeout_s is None else min(timeout_s, default)

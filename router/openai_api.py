@@ -138,12 +138,23 @@ def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: Router
         body = await anyio.to_thread.run_sync(metrics.render, dispatcher, registry, feed)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
+    def _model_object(m, created: int) -> dict[str, Any]:
+        return {"id": m.id, "object": "model", "created": created, "owned_by": "strata",
+                "max_model_len": m.max_model_len}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         created = int(time.time())
-        return {"object": "list", "data": [{"id": m.id, "object": "model", "created": created,
-                                            "owned_by": "strata", "max_model_len": m.max_model_len}
-                                           for m in dispatcher.models.values()]}
+        return {"object": "list", "data": [_model_object(m, created) for m in dispatcher.models.values()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        """One model (the official client's `models.retrieve`); an unknown id is 404 with OpenAI's error body."""
+        served = dispatcher.models.get(model_id)
+        if served is None:
+            raise ApiError(grpc.StatusCode.NOT_FOUND, f"model {model_id!r} is not served here; served: "
+                                                      f"{', '.join(sorted(dispatcher.models))}", "model")
+        return _model_object(served, int(time.time()))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -166,6 +177,13 @@ def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: Router
 
     def _tokenizer(params: GenerateParams):
         return dispatcher.models[params.model].tokenizer
+
+    def _echo_text(run: RequestRun) -> str:
+        """The prompt as `echo` repeats it: its text, or a token-id prompt decoded (special tokens kept, as the
+        logprobs that describe it list them)."""
+        if run.params.prompt_text is not None:
+            return run.params.prompt_text
+        return _tokenizer(run.params).decode(list(run.prompt), skip_special_tokens=False)
 
     async def _serve(request: Request, params: GenerateParams, options: OpenAIOptions) -> Response:
         runs = await anyio.to_thread.run_sync(_start, params, options, _identity(request))
@@ -215,7 +233,7 @@ def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: Router
                 log.error("request %s failed in the router", params.request_id, exc_info=errors[0])
                 api = ApiError(grpc.StatusCode.INTERNAL, f"internal: {errors[0]}")
             return error_response(api)
-        choices = [choice._replace(text=(run.params.prompt_text or "") + choice.text) if options.echo else choice
+        choices = [choice._replace(text=_echo_text(run) + choice.text) if options.echo else choice
                    for run, (choice, _) in zip(runs, results)]
         usage = merged_usage({i: u for i, (_, u) in enumerate(results)}, options.n)
         shape = Shape(params, options, _tokenizer(params))
@@ -245,7 +263,7 @@ def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: Router
             echo_now = options.echo and not shape.echo_logprobs
             if options.chat or echo_now:
                 for i, run in enumerate(runs):
-                    yield _sse(shape.delta(i, run.params.prompt_text if options.echo else None, None, first=True))
+                    yield _sse(shape.delta(i, _echo_text(run) if options.echo else None, None, first=True))
                     first[i] = False
             running = len(runs)
             while running:
@@ -261,7 +279,7 @@ def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: Router
                 finish = FINISH_REASONS.get(chunk.finish_reason) if chunk.finish_reason else None
                 prompt = (runs[index].prompt[0], chunk.prompt_logprobs)
                 if shape.echo_logprobs and first[index]:      # the held-back echo, its prompt logprobs with it
-                    yield _sse(shape.delta(index, runs[index].params.prompt_text, None, first=True, prompt=prompt))
+                    yield _sse(shape.delta(index, _echo_text(runs[index]), None, first=True, prompt=prompt))
                     first[index] = False
                 elif chunk.prompt_logprobs:
                     yield _sse(shape.delta(index, None, None, first=first[index], prompt=prompt))

@@ -11,6 +11,17 @@ from router.validation import (MAX_SEED, GenerateParams, ModelLimits, build_samp
                                resolve_model)
 
 MAX_CHOICES = 16             # OpenAI's n
+# Every field a request may carry: OpenAI's (some only to be refused by name, e.g. tools, or accepted as metadata
+# that changes no output: user, metadata, store, service_tier) and vLLM's sampling extras. Anything else is a 400
+# naming it, as OpenAI answers: a misspelt option silently ignored is a wrong answer.
+_COMMON_FIELDS = frozenset({
+    "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options",
+    "stop", "stop_token_ids", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+    "logprobs", "min_tokens", "ignore_eos", "include_stop_str_in_output", "prompt_logprobs", "cache_salt",
+    "speculative", "best_of", "response_format", "tools", "functions", "suffix", "user", "metadata", "store",
+    "service_tier"})
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo"}
+CHAT_FIELDS = _COMMON_FIELDS | {"messages", "top_logprobs", "tool_choice", "parallel_tool_calls", "function_call"}
 MAX_BATCH_PROMPTS = 64       # completion prompts x choices in one request
 _CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
@@ -98,6 +109,32 @@ def _unsupported(body: Mapping[str, Any]) -> None:
         raise invalid("response_format", f"response_format must be {{'type': 'text'}}, got {fmt!r}")
     if body.get("suffix"):
         raise invalid("suffix", "suffix is not supported; omit it")
+
+
+def _known_fields(body: Mapping[str, Any], known: frozenset[str], endpoint: str) -> None:
+    unknown = sorted(str(k) for k in body if k not in known)
+    if unknown:
+        raise invalid(unknown[0], f"unrecognized request field{'s' if len(unknown) > 1 else ''} "
+                                  f"{', '.join(map(repr, unknown))}: not an option of {endpoint} (check the spelling)")
+
+
+def _valid_text(value: Any, path: str) -> None:
+    """Every string of the body (keys too) must be encodable as UTF-8: JSON's escapes can spell a lone surrogate
+    (`"\\ud800"`), which no tokenizer takes."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            where = path or "body"
+            raise invalid(where, f"{where} is not valid UTF-8 text: it holds a lone surrogate at character "
+                                 f"{exc.start}") from None
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            _valid_text(key, path or "body")
+            _valid_text(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _valid_text(item, f"{path}[{i}]")
 
 
 def _logit_bias(body: Mapping[str, Any]) -> dict[int, float]:
@@ -192,6 +229,9 @@ def _common(body: Mapping[str, Any], models: Mapping[str, ModelLimits], request_
             chat: bool) -> dict[str, Any]:
     if not isinstance(body, Mapping):
         raise invalid("body", "the request body must be a JSON object")
+    _known_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS, "/v1/chat/completions" if chat else
+                  "/v1/completions")
+    _valid_text(body, "")
     model = _typed(body, "model", (str,), "a string", "")
     _unsupported(body)
     limits = resolve_model(model, models)

@@ -22,7 +22,7 @@ from router.cost_model import STORE_TIERS, MeasuredCosts, MeasuredRead
 from router.dispatch import GRPC_OPTIONS, Dispatcher
 from router.served_model import ServedModel
 from router.events_feed import EventsFeed
-from router.index import SHARED_TIERS
+from router.index import SHARED_TIERS, TIERS
 from router.registry import (LoadFigures, ModelFacts, SpecFigures, UnknownWorker, WorkerRecord, WorkerRegistry,
                              WorkerView)
 from router.validation import ApiError, from_grpc
@@ -168,6 +168,9 @@ class StrataService(strata_pb2_grpc.StrataServicer):
         return strata_pb2.ListWorkersResponse(workers=[view_to_proto(v, self.dispatcher.models) for v in views])
 
     def GetCacheStats(self, request: strata_pb2.GetCacheStatsRequest, context) -> strata_pb2.GetCacheStatsResponse:
+        if request.tier and request.tier not in TIERS:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"tier must be empty (every tier) or one of {', '.join(TIERS)}, got {request.tier!r}")
         views = self._select(request.worker_ids, context)
         stats = self._fan_out(views, lambda stub: stub.Stats(worker_pb2.StatsRequest(), timeout=_FANOUT_TIMEOUT_S))
         out = strata_pb2.GetCacheStatsResponse()
@@ -393,6 +396,13 @@ def add_services(server: grpc.Server, strata: StrataService, registry: RegistryS
              health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
     return health_servicer
+
+
+def mark_serving(health_servicer: health.HealthServicer) -> None:
+    """SERVING for the server as a whole ("") and for each service by its name, as grpc health clients ask."""
+    for name in ("", strata_pb2.DESCRIPTOR.services_by_name["Strata"].full_name,
+                 router_pb2.DESCRIPTOR.services_by_name["Registry"].full_name):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
 
 def make_grpc_server(max_workers: int = 64) -> grpc.Server:

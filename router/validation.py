@@ -155,7 +155,7 @@ def check_request_id(request_id: str, param: str = "request_id") -> str:
 
 def check_prompt(params: GenerateParams, token_ids: Sequence[int], model: ModelLimits,
                  ids_param: str = "prompt.token_ids", prompt_param: str = "prompt",
-                 bias_param: str = "logit_bias") -> SamplingParams:
+                 bias_param: str = "logit_bias", stop_ids_param: str = "stop_token_ids") -> SamplingParams:
     """Token-level checks once the prompt is tokenized; returns the sampling params with max_tokens fitted.
 
     An explicit max_tokens that does not fit is an error; the default is shortened to the room left.
@@ -169,6 +169,9 @@ def check_prompt(params: GenerateParams, token_ids: Sequence[int], model: ModelL
     bad = next((t for t, _ in sampling.logit_bias if t >= model.vocab_size), None)
     if bad is not None:
         raise invalid(bias_param, f"{bias_param} token ids must be in [0, {model.vocab_size}), got {bad}")
+    bad = next((t for t in sampling.stop_token_ids if not 0 <= t < model.vocab_size), None)
+    if bad is not None:
+        raise invalid(stop_ids_param, f"{stop_ids_param} must be in [0, {model.vocab_size}), got {bad}")
     room = model.max_model_len - len(token_ids)
     if room < 1:
         raise invalid(prompt_param, f"{prompt_param}: {len(token_ids)} tokens leave no room below max_model_len "

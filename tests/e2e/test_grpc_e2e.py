@@ -230,6 +230,7 @@ def test_deadline_exceeded_is_reported_and_the_worker_stops(client, cluster):
     (dict(top_p=2.0), "sampling.top_p"),
     (dict(repetition_penalty=0.0), "sampling.repetition_penalty"),
     (dict(frequency_penalty=3.0), "sampling.frequency_penalty"),
+    (dict(stop_token_ids=[10**6]), "sampling.stop_token_ids"),          # outside the vocabulary
 ])
 def test_bad_sampling_is_invalid_argument_naming_the_field(client, sampling, field):
     with pytest.raises(grpc.RpcError) as info:
@@ -263,12 +264,16 @@ def test_models_workers_and_cache_stats(client):
     with pytest.raises(grpc.RpcError) as info:
         client.cache_stats(["nobody"])
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.RpcError) as info:
+        client.cache_stats(tier="bogus")
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "'bogus'" in info.value.details()
 
 
 def test_health_and_reflection(cluster):
     channel = grpc.insecure_channel(cluster.grpc_address)
-    health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
-    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    for service in ("", "strata.v1.Strata", "strata.v1.Registry"):
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING, service
     stub = reflection_pb2_grpc.ServerReflectionStub(channel)
     (answer,) = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
                                           timeout=5)

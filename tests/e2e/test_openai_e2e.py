@@ -13,6 +13,9 @@ import httpx
 import openai
 import pytest
 
+from engine.tokenizer import Tokenizer
+from strata.paths import bundled_model
+
 pytestmark = pytest.mark.slow
 
 MODEL = "strata-moe-tiny"
@@ -98,6 +101,20 @@ def test_echo_with_logprobs_scores_the_prompt_whole_and_streamed(client):
     assert all(len(d) == 1 and next(iter(d.values()))["rank"] >= 1 for d in scored[1:])  # the token itself only
     assert all(any(v["logprob"] == pytest.approx(x, abs=1e-5) for v in d.values())
                for d, x in zip(scored[1:], lp.token_logprobs[1:n_prompt]))
+
+
+def test_echo_of_a_token_id_prompt_repeats_it_as_text_as_its_logprobs_describe_it(client):
+    """A token-id prompt is echoed decoded (its tokens joined are what the logprobs list), whole and streamed."""
+    plain = {"ignore_eos": True, "repetition_penalty": 1.0}
+    ids = list(Tokenizer.from_dir(bundled_model()).encode(PROMPT))
+    whole = client.completions.create(model=MODEL, prompt=ids, max_tokens=2, temperature=0, logprobs=1, echo=True,
+                                      extra_body=plain)
+    choice = whole.choices[0]
+    prompt_text = "".join(choice.logprobs.tokens[:len(ids)])
+    assert prompt_text and choice.text.startswith(prompt_text) and PROMPT in choice.text
+    stream = list(client.completions.create(model=MODEL, prompt=ids, max_tokens=2, temperature=0, echo=True,
+                                            stream=True, extra_body=plain))
+    assert "".join(c.choices[0].text for c in stream if c.choices) == choice.text
 
 
 def test_chat_logprobs_and_top_logprobs(client):
@@ -198,12 +215,21 @@ def test_models_lists_the_bundled_model(client):
     assert [m.id for m in client.models.list().data] == [MODEL]
 
 
+def test_models_retrieve_gives_the_model_and_an_unknown_one_is_404(client):
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("gpt-4")
+    assert info.value.body["code"] == "model_not_found"
+
+
 @pytest.mark.parametrize("kwargs, field", [
     (dict(temperature=-1), "temperature"),
     (dict(max_tokens=0), "max_tokens"),
     (dict(top_p=2), "top_p"),
     (dict(logprobs=21), "logprobs"),
     (dict(prompt=None), "prompt"),
+    (dict(extra_body={"temprature": 0.5}), "temprature"),                 # misspelt: refused, not ignored
+    (dict(extra_body={"stop_token_ids": [10**6]}), "stop_token_ids"),     # outside the vocabulary
 ])
 def test_bad_completion_requests_are_400_naming_the_field(client, kwargs, field):
     args = {"model": MODEL, "prompt": "hi", "max_tokens": 4, **kwargs}
@@ -212,6 +238,16 @@ def test_bad_completion_requests_are_400_naming_the_field(client, kwargs, field)
     assert info.value.status_code == 400
     assert info.value.body["param"] == field and field in info.value.body["message"]
     assert info.value.body["type"] == "invalid_request_error"
+
+
+def test_a_lone_surrogate_in_the_json_is_400_naming_the_field(cluster):
+    """JSON may spell a lone surrogate (`\\ud800`), which no client library sends but a hand-written body can:
+    400 naming the field, not a 500."""
+    body = b'{"model": "%s", "prompt": "abc\\ud800def", "max_tokens": 4}' % MODEL.encode()
+    reply = httpx.post(cluster.http_url + "/v1/completions", content=body,
+                       headers={"Content-Type": "application/json"}, timeout=30)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == "prompt" and "UTF-8" in reply.json()["error"]["message"]
 
 
 def test_unknown_model_is_404_model_not_found(client):

@@ -251,6 +251,22 @@ def test_a_tail_for_other_tokens_is_refused_and_recomputed(cluster, reference):
 
 
 @pytest.mark.timeout(600)
+def test_a_handle_asking_for_huge_block_lengths_is_refused_and_recomputed(cluster, reference):
+    """A Decode's handle comes from the caller: a block location claiming 1 TB is never allocated; the worker
+    falls back (store, then recompute) and the tokens are still exact."""
+    prompt = make_prompt(9)
+    first = prefill(cluster["prefill_shm"], "huge-a", prompt)
+    first.kv.blocks[0].length = 1 << 40
+    got = decode(cluster["decode_shm"], "huge-b", prompt, first)
+    request = reference.add_request("huge-ref", prompt, PARAMS)
+    request.append_output(first.first_token_id)
+    while not request.is_finished:
+        reference.step()
+    assert got.token_ids == request.output_token_ids
+    assert "outside (0, " in got.last_chunk.kv_fallback_reason
+
+
+@pytest.mark.timeout(600)
 def test_handle_of_another_namespace_is_refused(cluster):
     prompt = make_prompt(7)
     first = prefill(cluster["prefill_shm"], "salted", prompt, cache_salt="tenant-a")

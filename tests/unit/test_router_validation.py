@@ -266,3 +266,41 @@ def test_generation_config_sampling_defaults_are_read_like_the_engine():
     assert sampling_defaults({"do_sample": False, "temperature": 0.7, "repetition_penalty": 1.1}) == (
         ("repetition_penalty", 1.1),)
     assert sampling_defaults({}) == ()
+
+
+@pytest.mark.parametrize("body, chat, field", [
+    ({"prompt": "hi", "temprature": 0.5}, False, "temprature"),          # a misspelt option is refused, not ignored
+    ({"prompt": "hi", "max_token": 5, "zeta": 1}, False, "max_token"),  # several: the first named, all listed
+    ({"messages": [{"role": "user", "content": "hi"}], "echo": True}, True, "echo"),   # a completions-only field
+])
+def test_unknown_request_fields_are_400_naming_them(body, chat, field):
+    err = http_error({"model": "tiny", **body}, chat=chat)
+    assert (err.code, err.param) == (grpc.StatusCode.INVALID_ARGUMENT, field)
+    assert "unrecognized request field" in err.message and repr(field) in err.message
+
+
+def test_openai_metadata_fields_that_change_no_output_are_accepted():
+    params, _ = from_completion({"model": "tiny", "prompt": "hi", "user": "u1", "metadata": {"k": "v"},
+                                 "store": False, "service_tier": "auto"}, MODELS, "r")
+    assert params.prompt_text == "hi"
+
+
+@pytest.mark.parametrize("body, chat, field", [
+    ({"prompt": "abc\ud800def"}, False, "prompt"),
+    ({"prompt": ["ok", "x\udfffy"]}, False, "prompt[1]"),
+    ({"prompt": "hi", "stop": ["\ud83d"]}, False, "stop[0]"),
+    ({"messages": [{"role": "user", "content": "a\ud800"}]}, True, "messages[0].content"),
+])
+def test_a_lone_surrogate_anywhere_is_400_naming_where(body, chat, field):
+    err = http_error({"model": "tiny", **body}, chat=chat)
+    assert (err.code, err.param) == (grpc.StatusCode.INVALID_ARGUMENT, field)
+    assert "not valid UTF-8" in err.message
+
+
+def test_check_prompt_rejects_stop_token_ids_outside_the_vocabulary():
+    from dataclasses import replace
+    params = _params(4, True)
+    params = replace(params, sampling=replace(params.sampling, stop_token_ids=(3, 100)))
+    with pytest.raises(ApiError, match=r"sampling.stop_token_ids must be in \[0, 100\), got 100") as info:
+        check_prompt(params, [1, 2], MODELS["tiny"], stop_ids_param="sampling.stop_token_ids")
+    assert info.value.param == "sampling.stop_token_ids"
