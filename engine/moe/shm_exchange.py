@@ -52,7 +52,9 @@ def segment_bytes(world_size: int, capacity: int) -> int:
 
 
 def process_alive(pid: int) -> bool:
-    """Not gone and not a zombie (a dead child its parent has not reaped still answers kill(pid, 0))."""
+    """Not gone and not a zombie (a dead child its parent has not reaped still answers kill(pid, 0)).
+
+    NOTE: `kvstore.transfer.segment` has a kill(pid, 0) check of its own; `engine` may not import `kvstore`."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
