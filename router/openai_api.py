@@ -111,14 +111,26 @@ def _sse(obj: Any) -> bytes:
 
 # ------------------------------------------------------------------------------------------------ the app
 
-async def _next_chunk(it):
+# NOTE: a stream waits for its next chunk in a worker thread. anyio's default limiter (40 threads) is shared with
+# every other blocking call of the app, so 40 streams waiting on a slow worker would stall all other requests:
+# chunk waits get a limiter of their own, as large as the streams the router admits.
+STREAM_WAITERS = 1024
+
+
+async def _next_chunk(it, limiter: anyio.CapacityLimiter):
     """The next chunk of a blocking iterator, in a worker thread; None at the end."""
-    return await anyio.to_thread.run_sync(next, it, None)
+    return await anyio.to_thread.run_sync(next, it, None, limiter=limiter)
 
 
 def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: RouterMetrics,
                feed: EventsFeed | None = None, is_ready: Callable[[], bool] = lambda: True) -> FastAPI:
     app = FastAPI(title="Strata router (OpenAI-compatible)", docs_url=None, redoc_url=None)
+    waiters: list[anyio.CapacityLimiter] = []       # made on first use, inside the app's event loop
+
+    def _waiters() -> anyio.CapacityLimiter:
+        if not waiters:
+            waiters.append(anyio.CapacityLimiter(STREAM_WAITERS))
+        return waiters[0]
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -207,7 +219,7 @@ def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: Router
     async def _collect(run: RequestRun) -> tuple[Choice, common_pb2.Usage]:
         it = run.events()
         text, logprobs, prompt_logprobs, finish, usage = [], [], [], None, common_pb2.Usage()
-        while (chunk := await _next_chunk(it)) is not None:
+        while (chunk := await _next_chunk(it, _waiters())) is not None:
             text.append(chunk.text_delta)
             logprobs.extend(chunk.logprobs)
             prompt_logprobs.extend(chunk.prompt_logprobs)
@@ -248,7 +260,7 @@ def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: Router
         async def pump(index: int, run: RequestRun) -> None:
             it = run.events()
             try:
-                while (chunk := await _next_chunk(it)) is not None:
+                while (chunk := await _next_chunk(it, _waiters())) is not None:
                     await queue.put((index, chunk, None))
                 await queue.put((index, None, None))
             except Exception as exc:  # noqa: BLE001 - any failure ends the stream with an error body, never a hang

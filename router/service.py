@@ -130,12 +130,33 @@ def _identity(context: grpc.ServicerContext) -> str:
 
 # ------------------------------------------------------------------------------------------------ Strata
 
+# The router's gRPC threads, and how many of them client streams may hold: the rest answer heartbeats, registration,
+# admin and short calls however many streams are open.
+GRPC_THREADS = 512
+MAX_GRPC_STREAMS = 448
+
+
 class StrataService(strata_pb2_grpc.StrataServicer):
-    def __init__(self, dispatcher: Dispatcher, registry: WorkerRegistry, allow_admin: bool = True) -> None:
+    def __init__(self, dispatcher: Dispatcher, registry: WorkerRegistry, allow_admin: bool = True,
+                 max_streams: int = MAX_GRPC_STREAMS) -> None:
         self.dispatcher, self.registry, self.allow_admin = dispatcher, registry, allow_admin
         self._pool = futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="fanout")
+        self.max_streams = max_streams
+        self._streams = threading.BoundedSemaphore(max_streams)
 
     def Generate(self, request: strata_pb2.GenerateRequest, context: grpc.ServicerContext):
+        # NOTE: a stream holds one of the server's threads for its whole life: past `max_streams` the rest of the
+        # pool stays free for workers' heartbeats and registration (or they would be swept as dead under load)
+        if not self._streams.acquire(blocking=False):
+            context.set_trailing_metadata((("grpc-retry-pushback-ms", "1000"),))
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the router is serving its limit of "
+                                                              f"{self.max_streams} concurrent streams; retry in a second")
+        try:
+            yield from self._generate(request, context)
+        finally:
+            self._streams.release()
+
+    def _generate(self, request: strata_pb2.GenerateRequest, context: grpc.ServicerContext):
         try:
             params = from_grpc(request, self.dispatcher.limits)
             run = self.dispatcher.start(params, _identity(context), context.time_remaining(), door="grpc")
@@ -405,6 +426,6 @@ def mark_serving(health_servicer: health.HealthServicer) -> None:
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
 
-def make_grpc_server(max_workers: int = 64) -> grpc.Server:
+def make_grpc_server(max_workers: int = GRPC_THREADS) -> grpc.Server:
     return grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
                        options=GRPC_OPTIONS)

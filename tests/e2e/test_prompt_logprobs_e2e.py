@@ -92,7 +92,8 @@ def assert_echo_exact(choice, prompt: list[int], hf_model, tokenizer) -> None:
     assert_close(lp.token_logprobs[1:PROMPT_LEN], want_prompt)
     assert_close(lp.token_logprobs[PROMPT_LEN:], want_generated)
     assert lp.tokens[PROMPT_LEN:] == [tokenizer.decode([t], skip_special_tokens=False) for t in generated]
-    assert choice.text == tokenizer.decode(generated)
+    # the echoed token-id prompt as text (special tokens kept, as its logprobs list them), then the continuation
+    assert choice.text == tokenizer.decode(prompt, skip_special_tokens=False) + tokenizer.decode(generated)
 
 
 def echo(client, prompt: list[int], **kw):
