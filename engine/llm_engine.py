@@ -114,8 +114,7 @@ class LLMEngine:
         if spec is not None:
             spec.propose(self.scheduler.decoding())   # sets each decoding request's spec_token_ids
         step = self.scheduler.schedule()
-        ep = getattr(self.runner, "ep", None)
-        if ep is not None:
+        if self.lockstep:
             return self._step_expert_parallel(step)
         if not step.batch.seqs:
             return []

@@ -23,8 +23,8 @@ from router.events_feed import EventsFeed, SharedIndex
 from router.openai_api import RouterMetrics, create_app
 from router.policy import POLICIES, get_policy
 from router.registry import RegistryConfig, WorkerRegistry
-from router.service import (RegistryService, StrataService, WorkerProbe, add_services, make_grpc_server,
-                            mark_serving)
+from router.service import RegistryService, StrataService, add_services, make_grpc_server, mark_serving
+from router.worker_probe import WorkerProbe
 from strata.cache_metrics import ask_workers
 from strata.paths import resolve_model
 

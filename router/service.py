@@ -30,9 +30,9 @@ from strata.v1 import common_pb2, router_pb2, router_pb2_grpc, strata_pb2, strat
 
 log = logging.getLogger(__name__)
 
-_ROLE_NAME = {common_pb2.WORKER_ROLE_PREFILL: "prefill", common_pb2.WORKER_ROLE_DECODE: "decode",
+ROLE_NAME = {common_pb2.WORKER_ROLE_PREFILL: "prefill", common_pb2.WORKER_ROLE_DECODE: "decode",
               common_pb2.WORKER_ROLE_BOTH: "both"}
-_ROLE_PROTO = {v: k for k, v in _ROLE_NAME.items()}
+_ROLE_PROTO = {v: k for k, v in ROLE_NAME.items()}
 _STATE_PROTO = {"ready": common_pb2.WORKER_STATE_READY, "draining": common_pb2.WORKER_STATE_DRAINING,
                 "dead": common_pb2.WORKER_STATE_DEAD}
 _FANOUT_TIMEOUT_S = 5.0
@@ -47,7 +47,7 @@ def record_from_proto(info: common_pb2.WorkerInfo, probed: bool = False) -> Work
     for name in ("id", "address"):
         if not getattr(info, name):
             raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"worker.{name} must not be empty", f"worker.{name}")
-    if info.role not in _ROLE_NAME:
+    if info.role not in ROLE_NAME:
         raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, "worker.role must be PREFILL, DECODE or BOTH, got "
                        f"{common_pb2.WorkerRole.Name(info.role)}", "worker.role")
     if not info.model.id:
@@ -55,7 +55,7 @@ def record_from_proto(info: common_pb2.WorkerInfo, probed: bool = False) -> Work
     kv = info.model.kv
     model = ModelFacts(info.model.id, info.model.max_model_len, kv.model_fingerprint, kv.kv_layout, kv.kv_dtype,
                        kv.block_size)
-    return WorkerRecord(info.id, _ROLE_NAME[info.role], info.address, model, info.kv_events_endpoint,
+    return WorkerRecord(info.id, ROLE_NAME[info.role], info.address, model, info.kv_events_endpoint,
                         info.kv_replay_endpoint, tuple(info.transfer_backends), tuple(info.tiers), probed,
                         tuple(info.speculative.methods))
 
@@ -184,7 +184,7 @@ class StrataService(strata_pb2_grpc.StrataServicer):
         return strata_pb2.ListModelsResponse(models=[m.info() for m in self.dispatcher.models.values()])
 
     def ListWorkers(self, request: strata_pb2.ListWorkersRequest, context) -> strata_pb2.ListWorkersResponse:
-        role = _ROLE_NAME.get(request.role)
+        role = ROLE_NAME.get(request.role)
         views = self.registry.workers(role, include_dead=request.include_dead)
         return strata_pb2.ListWorkersResponse(workers=[view_to_proto(v, self.dispatcher.models) for v in views])
 
@@ -337,74 +337,6 @@ class RegistryService(router_pb2_grpc.RegistryServicer):
     def Deregister(self, request: router_pb2.DeregisterRequest, context):
         self.registry.deregister(request.worker_id)
         return router_pb2.DeregisterResponse()
-
-
-# ------------------------------------------------------------------------------------------- --worker probe
-
-class WorkerProbe:
-    """Workers named by address (`--worker host:port`) that do not register themselves: `Health` tells their id
-    and role, `Stats` their load; each successful poll is their heartbeat, a failed one is silence."""
-
-    def __init__(self, addresses: Sequence[str], registry: WorkerRegistry, dispatcher: Dispatcher,
-                 default_model: ServedModel) -> None:
-        self.addresses, self.registry, self.dispatcher = list(addresses), registry, dispatcher
-        self.model = default_model
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="worker-probe", daemon=True)
-
-    def start(self) -> None:
-        self.poll_once()
-        self._thread.start()
-
-    def poll_once(self) -> None:
-        for address in self.addresses:
-            self._poll(address)
-        self.registry.sweep()
-
-    def _run(self) -> None:
-        interval = self.registry.config.heartbeat_interval_ms / 1000.0
-        while not self._stop.wait(interval):
-            try:
-                self.poll_once()
-            except Exception:  # the probe must outlive any one bad answer
-                log.exception("worker probe failed")
-
-    def _poll(self, address: str) -> None:
-        stub = self.dispatcher.channels.stub(address)
-        try:
-            health_answer = stub.Health(worker_pb2.HealthRequest(), timeout=2.0)
-            stats = stub.Stats(worker_pb2.StatsRequest(), timeout=2.0)
-        except grpc.RpcError:
-            return  # silence: the sweep declares it dead after the heartbeat timeout
-        wid = health_answer.worker_id
-        load = load_from_proto(stats.load)
-        spec = spec_from_proto(stats.speculative, stats.HasField("speculative"))
-        try:
-            state = self.registry.heartbeat(wid, load, speculative=spec)
-            if state == "ready" and health_answer.state == common_pb2.WORKER_STATE_DRAINING:
-                self.registry.drain(wid)
-        except UnknownWorker:
-            record = self._record(wid, address, health_answer, stats)
-            self.registry.register(record)
-            self.registry.heartbeat(wid, load, speculative=spec)
-            log.info("worker %s found at %s (%s)", wid, address, record.role)
-
-    def _record(self, wid: str, address: str, health_answer, stats) -> WorkerRecord:
-        """A worker the registry declared dead keeps what it told at registration (its KV-event endpoints);
-        a new one is described from its Health and Stats."""
-        try:
-            known = self.registry.get(wid).record
-            if known.address == address:
-                return known
-        except UnknownWorker:
-            pass
-        tiers = tuple(t.tier for t in stats.cache.tiers)
-        return WorkerRecord(wid, _ROLE_NAME.get(health_answer.role, "both"), address,
-                            ModelFacts(self.model.id, self.model.max_model_len), tiers=tiers, probed=True,
-                            speculative_methods=tuple(stats.speculative.methods))
-
-    def stop(self) -> None:
-        self._stop.set()
 
 
 def add_services(server: grpc.Server, strata: StrataService, registry: RegistryService) -> health.HealthServicer:

@@ -19,13 +19,15 @@ import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Iterator, NamedTuple
+from typing import Callable, Iterator, NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from engine.moe import shm_exchange
 from engine.moe.shm_exchange import ShmExchange
+
+T = TypeVar("T")
 
 
 class EPGroupError(RuntimeError):
@@ -123,7 +125,7 @@ class EPGroup:
                                f"{spec.init_method}: {exc}") from exc
         group = cls(spec.rank, spec.world_size, dist.group.WORLD, spec.device)
         if spec.shm_bytes and spec.backend == "gloo":
-            group.shm = group._run_setup(lambda: _shared_memory(spec))
+            group.shm = group._run(lambda: _shared_memory(spec), "shared-memory setup")
         return group
 
     @classmethod
@@ -170,18 +172,16 @@ class EPGroup:
     def _exchange(self, send: torch.Tensor, what: str) -> torch.Tensor:
         """Equal blocks, block j to rank j: through shared memory when it fits, else gloo (all ranks alike)."""
         if self.shm is not None and not send.is_cuda and self.shm.fits(send.numel() * send.element_size()):
-            out: list[torch.Tensor] = []
-            self._run(lambda: out.append(self.shm.all_to_all(send)), what)
-            return out[0]
+            return self._run(lambda: self.shm.all_to_all(send), what)
         recv = torch.empty_like(send)
         self._run(lambda: dist.all_to_all_single(recv, send, group=self._pg), what)
         return recv
 
     def all_to_all_uneven(self, send: torch.Tensor, send_rows: list[int], recv_rows: list[int]) -> torch.Tensor:
         """Rows `send[sum(send_rows[:j]) : ...]` go to rank j; both sides know the counts (no count exchange)."""
-        recv = send.new_empty(sum(recv_rows), *send.shape[1:])
         if self.world_size == 1:
             return send.clone()
+        recv = send.new_empty(sum(recv_rows), *send.shape[1:])
         self._run(lambda: dist.all_to_all_single(recv, send.contiguous(), recv_rows, send_rows, group=self._pg),
                   "all_to_all")
         return recv
@@ -220,16 +220,12 @@ class EPGroup:
         finally:
             self.offline_depth -= 1
 
-    def _run_setup(self, fn):
-        out: list = []
-        self._run(lambda: out.append(fn()), "shared-memory setup")
-        return out[0]
-
-    def _run(self, fn, what: str) -> None:
+    def _run(self, fn: Callable[[], T], what: str) -> T:
+        """`fn()`; a failure breaks the group for good (`error`), and every later collective raises it."""
         if self.error is not None:
             raise self.error
         try:
-            fn()
+            return fn()
         except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError subclasses of several kinds
             self.error = EPGroupError(f"expert-parallel group: {what} failed on rank {self.rank} of "
                                       f"{self.world_size} (another rank died or hung): {exc}")

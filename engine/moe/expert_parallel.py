@@ -16,6 +16,7 @@ Under torch.compile the layer is one opaque custom op (`strata::ep_moe`): the ex
 from __future__ import annotations
 
 import collections
+import itertools
 import weakref
 from typing import Callable
 
@@ -30,7 +31,7 @@ from engine.moe.local import LocalMoE
 from engine.moe.placement import ExpertPlacement, LoadWindow, contiguous
 
 _LAYERS: weakref.WeakValueDictionary[int, ExpertParallelMoE] = weakref.WeakValueDictionary()  # op handle -> layer
-_NEXT_HANDLE = [0]
+_HANDLES = itertools.count()
 
 
 class ExpertParallelMoE(MoEBackend):
@@ -44,8 +45,7 @@ class ExpertParallelMoE(MoEBackend):
         self.window = LoadWindow(self._num_experts, config.eplb_window)
         self.pairs_computed = 0                          # pairs this rank's experts ran, cumulative
         self.pairs_window: collections.deque[int] = collections.deque(maxlen=config.eplb_window)  # per forward
-        self.handle = _NEXT_HANDLE[0]
-        _NEXT_HANDLE[0] += 1
+        self.handle = next(_HANDLES)
         _LAYERS[self.handle] = self
         self._tables()
 

@@ -4,7 +4,6 @@ hold at most `MAX_GRPC_STREAMS` of the router's threads (the rest answer heartbe
 their chunks on a limiter of their own, not anyio's default 40 threads that every other HTTP call shares."""
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -38,7 +37,6 @@ def http_stream(url: str, i: int) -> int:
 
 def test_128_grpc_and_128_http_streams_all_complete_and_no_worker_is_swept(cluster):
     log_before = len(cluster.log_path.read_text(errors="replace"))
-    started = time.monotonic()
     with ThreadPoolExecutor(2 * STREAMS) as pool:
         grpc_calls = [pool.submit(grpc_stream, cluster.grpc_address, i) for i in range(STREAMS)]
         http_calls = [pool.submit(http_stream, cluster.http_url, i) for i in range(STREAMS)]
@@ -52,4 +50,3 @@ def test_128_grpc_and_128_http_streams_all_complete_and_no_worker_is_swept(clust
     assert states and all(s == common_pb2.WORKER_STATE_READY for s in states.values()), states
     log = cluster.log_path.read_text(errors="replace")[log_before:]
     assert "out of routing" not in log, log[-3000:]
-    assert time.monotonic() - started > 0
