@@ -53,7 +53,9 @@ def owner_main(rev: str, into: str, conn) -> None:
     region = MemoryRegion.shared("ab", REGION_BYTES)
     np.frombuffer(region.buffer, np.uint8)[:] = np.random.default_rng(0).integers(0, 256, REGION_BYTES, np.uint8)
     agents = [create_agent(TransferConfig(backend=b)) for b in backends]
-    conn.send({b: tuple(a.register(region)) for b, a in zip(backends, agents)})
+    # NOTE: each handle carries a lease over the whole region: a tcp owner serves leased ranges only
+    conn.send({b: (*a.register(region), a.grant_lease("ab", [(0, REGION_BYTES)], 24 * 3600.0))
+               for b, a in zip(backends, agents)})
     conn.recv()
     for agent in agents:
         agent.close()
@@ -86,8 +88,8 @@ def main() -> None:
                 total = count * size
                 dst, src, base_dst = np.zeros(total, np.uint8), np.ones(total, np.uint8), np.zeros(total, np.uint8)
                 fns = {"memcpy": lambda: np.copyto(base_dst, src), "socket": lambda: ref.read(memoryview(dst))}
-                for backend, (agent, region_id, _) in handles.items():
-                    descs = [Descriptor(agent, region_id, i * size % (REGION_BYTES - size + 1), size)
+                for backend, (agent, region_id, _, lease) in handles.items():
+                    descs = [Descriptor(agent, region_id, i * size % (REGION_BYTES - size + 1), size, lease)
                              for i in range(count)]
                     fns[backend] = (lambda r, d, v: lambda: r.read(d, v, deadline_s=30.0))(
                         readers[backend], descs, pack_views(dst, descs))

@@ -8,7 +8,10 @@ bytes between two processes (`socket_ratio`): the kernel's own ceiling for any T
 
 Targets (issue 4): shm >= 0.8x memcpy for blocks of 256 KiB and more; tcp on loopback >= 0.5x.
 
-    python benchmarks/transfer_bench.py [--quick] [--json] [--backends shm,tcp,nixl]
+`--tls` adds fleet TLS's cost: 16 MiB tcp reads from a plain owner and from a TLS owner (throwaway certificates,
+`strata.dev_certs`), interleaved with the memcpy, each round's TLS rate divided by the plain tcp and memcpy rates.
+
+    python benchmarks/transfer_bench.py [--quick] [--json] [--backends shm,tcp,nixl] [--tls]
 
 With --json the last line printed is one JSON object holding every figure.
 """
@@ -19,6 +22,7 @@ import json
 import multiprocessing as mp
 import socket
 import statistics
+import tempfile
 import time
 from typing import Callable
 
@@ -72,14 +76,17 @@ class SocketReference:
         self.proc.join(5)
 
 
-def owner_main(backend: str, conn) -> None:
-    """The owner process: one region of random bytes, registered; serves until told to stop."""
+def owner_main(backend: str, conn, tls: dict[str, str] | None = None) -> None:
+    """The owner process: one region of random bytes, registered; serves until told to stop. `tls`: the
+    `TransferConfig.tls_*` files (tcp over TLS)."""
     from kvstore.transfer import MemoryRegion, TransferConfig, create_agent
 
-    agent = create_agent(TransferConfig(backend=backend))
+    agent = create_agent(TransferConfig(backend=backend, **(tls or {})))
     region = MemoryRegion.shared("bench", REGION_BYTES)
     np.frombuffer(region.buffer, np.uint8)[:] = np.random.default_rng(0).integers(0, 256, REGION_BYTES, np.uint8)
-    conn.send((tuple(agent.register(region)), agent.export_metadata()))
+    handle = tuple(agent.register(region))
+    lease = agent.grant_lease("bench", [(0, REGION_BYTES)], ttl_s=24 * 3600.0)  # a tcp owner serves leased ranges only
+    conn.send((handle, agent.export_metadata(), lease))
     conn.recv()
     agent.close()
     region.close()
@@ -116,11 +123,12 @@ def cases(quick: bool) -> list[tuple[str, int, int]]:
 
 
 def bench_case(reader, ref, agent_address: str, region_id: str, count: int, size: int, budget_s: float,
-               rounds: int) -> dict[str, float]:
+               rounds: int, lease: int | None = None) -> dict[str, float]:
     from kvstore.transfer import Descriptor, pack_views
 
     total = count * size
-    descs = [Descriptor(agent_address, region_id, (i * size) % (REGION_BYTES - size + 1), size) for i in range(count)]
+    descs = [Descriptor(agent_address, region_id, (i * size) % (REGION_BYTES - size + 1), size, lease)
+             for i in range(count)]
     dst, src, base_dst = np.ones(total, np.uint8), np.ones(total, np.uint8), np.zeros(total, np.uint8)
     views = pack_views(dst, descs)
     fns = {"memcpy": lambda: np.copyto(base_dst, src), "read": lambda: reader.read(descs, views, deadline_s=30.0)}
@@ -143,14 +151,15 @@ def bench_backend(backend: str, quick: bool, budget_s: float, rounds: int) -> di
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=owner_main, args=(backend, child), daemon=True)
     proc.start()
-    (agent_address, region_id, _), metadata = parent.recv()
+    (agent_address, region_id, _), metadata, lease = parent.recv()
     reader = create_agent(TransferConfig(backend=backend))
     reader.add_peer(agent_address, metadata)  # what nixl needs out of band; a no-op for shm and tcp
     ref = SocketReference() if backend == "tcp" else None
     out = {}
     try:
         for name, count, size in cases(quick):
-            row = out[name] = bench_case(reader, ref, agent_address, region_id, count, size, budget_s, rounds)
+            row = out[name] = bench_case(reader, ref, agent_address, region_id, count, size, budget_s, rounds,
+                                         lease)
             extra = f"   loopback socket {row['socket_ratio']:5.2f}x" if ref is not None else ""
             print(f"{backend:4s} {name:>11s}: {row['read_GBps']:7.2f} GB/s   memcpy {row['memcpy_GBps']:7.2f} GB/s"
                   f"   ratio {row['ratio']:5.2f}x{extra}", flush=True)
@@ -166,6 +175,49 @@ def bench_backend(backend: str, quick: bool, budget_s: float, rounds: int) -> di
         parent.send("stop")
         proc.join(timeout=10)
     return out
+
+
+def start_owner(backend: str, tls: dict[str, str] | None = None):
+    """An owner process: (process, pipe to stop it, its agent address, region id, lease)."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=owner_main, args=(backend, child, tls), daemon=True)
+    proc.start()
+    (agent_address, region_id, _), _, lease = parent.recv()
+    return proc, parent, agent_address, region_id, lease
+
+
+def bench_tls(budget_s: float, rounds: int, size: int = 16 * MiB) -> dict[str, float]:
+    """One `size` read from a plain tcp owner and from a TLS one, and a memcpy of as many bytes, in interleaved
+    rounds: medians of the rates and of the per-round ratios."""
+    from kvstore.transfer import Descriptor, TransferConfig, create_agent
+    from strata.dev_certs import write_fleet_certs
+
+    fleet, _ = write_fleet_certs(tempfile.mkdtemp(prefix="strata-bench-certs-"))
+    tls = dict(tls_cert_file=fleet.cert, tls_key_file=fleet.key, tls_ca_file=fleet.ca)
+    owners = {"tcp": start_owner("tcp"), "tcp-tls": start_owner("tcp", tls)}
+    readers = {"tcp": create_agent(TransferConfig(backend="tcp")),
+               "tcp-tls": create_agent(TransferConfig(backend="tcp", **tls))}
+    dst, src, base_dst = np.ones(size, np.uint8), np.ones(size, np.uint8), np.zeros(size, np.uint8)
+    fns = {"memcpy": lambda: np.copyto(base_dst, src)}
+    for name, (_, _, address, region_id, lease) in owners.items():
+        desc = [Descriptor(address, region_id, 0, size, lease)]
+        fns[name] = lambda reader=readers[name], desc=desc: reader.read(desc, [dst], deadline_s=30.0)
+    try:
+        rates = interleaved(fns, size, budget_s, rounds)
+    finally:
+        for name, (proc, pipe, *_) in owners.items():
+            readers[name].close()
+            pipe.send("stop")
+            proc.join(timeout=10)
+    row = {"bytes": size, **{f"{name}_GBps": statistics.median(r) / 1e9 for name, r in rates.items()},
+           "tls_vs_tcp": statistics.median(t / p for t, p in zip(rates["tcp-tls"], rates["tcp"])),
+           "tls_ratio": statistics.median(t / m for t, m in zip(rates["tcp-tls"], rates["memcpy"])),
+           "tcp_ratio": statistics.median(p / m for p, m in zip(rates["tcp"], rates["memcpy"]))}
+    print(f"tcp-tls {size // MiB} MiB: {row['tcp-tls_GBps']:.2f} GB/s   tcp {row['tcp_GBps']:.2f} GB/s   memcpy "
+          f"{row['memcpy_GBps']:.2f} GB/s   TLS/tcp {row['tls_vs_tcp']:.2f}x   TLS/memcpy {row['tls_ratio']:.2f}x   "
+          f"tcp/memcpy {row['tcp_ratio']:.2f}x", flush=True)
+    return row
 
 
 def summarize(results: dict[str, dict[str, dict[str, float]]]) -> dict[str, dict]:
@@ -199,14 +251,17 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer sizes and shorter timing (CI)")
     parser.add_argument("--json", action="store_true", help="print one JSON object with every figure last")
     parser.add_argument("--backends", default=default_backends(),
-                        help="comma-separated backends to measure (default: shm,tcp and nixl where it imports)")
+                        help="comma-separated backends to measure (default: shm,tcp and nixl where it imports; "
+                             "'' = none)")
+    parser.add_argument("--tls", action="store_true", help="also measure 16 MiB tcp reads over TLS against plain tcp")
     args = parser.parse_args()
     budget_s, rounds = (0.03, 3) if args.quick else (0.1, 7)
-    results = {b: bench_backend(b, args.quick, budget_s, rounds) for b in args.backends.split(",")}
+    results = {b: bench_backend(b, args.quick, budget_s, rounds) for b in args.backends.split(",") if b}
     summary = summarize(results)
+    tls = bench_tls(budget_s * 4, rounds) if args.tls else None  # NOTE: 16 MiB reads: a longer budget per round
     if args.json:
         print(json.dumps({"benchmark": "transfer_bench", "quick": args.quick, "results": results,
-                          "summary": summary}))
+                          "summary": summary, **({"tls": tls} if tls else {})}))
 
 
 if __name__ == "__main__":

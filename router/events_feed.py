@@ -1,10 +1,13 @@
 """Feeds the router's prefix index from every worker's KV-event stream (DESIGN §6).
 
 One thread per worker owns a `ZmqEventSubscriber` (ZeroMQ sockets belong to one thread); batches go into the shared
-index under its lock. The subscriber replays gaps from the worker's replay socket; whatever it cannot recover
-(`lost_before`, a restarted publisher) makes the feed drop that worker's entries and start over from the batch in
-hand, because a hole in the event history could hide a removal, and a stale hint is worse than none:
+index under its lock. The subscriber replays gaps from the worker's replay socket; a gap its buffer no longer covers
+it fills with the worker's snapshot (`kvstore.events.snapshot`: what the worker holds as of a sequence number),
+which replaces the worker's entries. Whatever it cannot recover (`lost_before`: no snapshot served, as from a vLLM
+worker; a restarted publisher) makes the feed drop that worker's entries and start over from the batch in hand,
+because a hole in the event history could hide a removal, and a stale hint is worse than none:
 
+    snapshot(next_seq) ────────────────────────────────> index.load_snapshot(worker, blocks, next_seq)
     batch(seq) ──lost_before > 0 or publisher restarted──> index.load_snapshot(worker, [], next_seq=seq) ──┐
         │                                                                                                │
         └──────────────────────────────────────────────────────────> index.apply(worker, batch, seq) <───┘
@@ -47,6 +50,9 @@ class SharedIndex:
         with self._lock:
             if stopped is not None and stopped.is_set():
                 return None
+            if item.snapshot is not None:
+                self._index.load_snapshot(worker_id, item.snapshot.blocks(), item.snapshot.next_seq)
+                return ApplyResult("applied", worker_id, item.seq, item.seq), True
             resynced = bool(item.lost_before or item.publisher_restarted)
             if resynced:
                 self._index.load_snapshot(worker_id, (), item.seq)
@@ -74,6 +80,7 @@ class FeedStats:
     batches: int = 0
     events: int = 0
     resyncs: int = 0
+    snapshots: int = 0  # resyncs that loaded the worker's snapshot (the others started from nothing)
     duplicates: int = 0
     last_seq: int = -1
     connected: bool = False
@@ -102,7 +109,7 @@ class _Subscription:
         r = self.record
         try:
             sub = ZmqEventSubscriber(r.kv_events_endpoint, r.kv_replay_endpoint or None, topic="", from_seq=0,
-                                     replay_timeout_s=self.replay_timeout_s)
+                                     replay_timeout_s=self.replay_timeout_s, snapshots=True)
         except Exception:  # a bad endpoint must not take the router down: no hints from this worker
             log.exception("cannot subscribe to %s's KV events at %s", r.id, r.kv_events_endpoint)
             return
@@ -134,6 +141,7 @@ class _Subscription:
             return
         result, resynced = applied
         self.stats.resyncs += int(resynced)
+        self.stats.snapshots += int(item.snapshot is not None)
         self.stats.duplicates += int(result.status == "duplicate")
         if result.status == "applied":
             self.stats.batches += 1

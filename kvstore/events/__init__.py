@@ -13,12 +13,14 @@ from kvstore.events.types import (
     KVEventBatch,
 )
 
+from kvstore.events.holdings import Holdings
 from kvstore.events.publisher import DEFAULT_TOPIC, ZmqEventPublisher, worker_topic
+from kvstore.events.snapshot import Snapshot
 from kvstore.events.subscriber import ReceivedBatch, ZmqEventSubscriber
 from kvstore.events.wire import WireError, WireOptions, decode_batch, encode_batch
 
 __all__ = [
     "DEFAULT_TOPIC", "ZmqEventPublisher", "worker_topic", "ReceivedBatch", "ZmqEventSubscriber",
-    "WireError", "WireOptions", "decode_batch", "encode_batch",
+    "WireError", "WireOptions", "decode_batch", "encode_batch", "Holdings", "Snapshot",
     "MEDIUM_DEVICE", "AllBlocksCleared", "BlockRemoved", "BlockStored", "ExternalBlockHash", "KVEvent", "KVEventBatch",
 ]

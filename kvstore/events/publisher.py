@@ -6,6 +6,8 @@ Protocol (vLLM's `ZmqEventPublisher`, so vLLM's own subscriber and the routers t
     ROUTER  <- [identity, b"", start_seq (8 B big-endian)]        from a REQ socket (or a DEALER sending b"" first)
             -> [identity, b"", seq, payload] for every buffered seq >= start_seq, then
                [identity, b"", END_OF_REPLAY, b""]
+    ROUTER  <- [identity, b"", SNAPSHOT_REQUEST]                  Strata's extension (`snapshot.py`)
+            -> [identity, b"", SNAPSHOT_REPLY, snapshot]          the holdings as of the next seq to publish
 
 Strata's own identity goes where that format leaves room: the worker id in the topic (`kv-events/<worker>`, which a
 subscriber to the `kv-events` prefix still receives), the tier in each event's `medium`, the data-parallel rank in
@@ -22,13 +24,16 @@ from typing import Sequence
 
 import zmq
 
+from kvstore.events.holdings import DEFAULT_MAX_BLOCKS, Holdings
+from kvstore.events.snapshot import SNAPSHOT_REPLY, SNAPSHOT_REQUEST, encode_snapshot
 from kvstore.events.types import KVEvent, KVEventBatch
-from kvstore.events.wire import END_OF_REPLAY, WireOptions, encode_batch, encode_seq
+from kvstore.events.wire import END_OF_REPLAY, SEQ_BYTES, WireOptions, encode_batch, encode_seq
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TOPIC = "kv-events"
 _POLL_S = 0.005  # how long the thread waits for a batch before it looks at the replay socket again
+_MAX_REQUEST_BYTES = 64 << 10  # replay and snapshot requests are a few bytes: refuse bigger before allocating
 
 
 def worker_topic(worker_id: str, base: str = DEFAULT_TOPIC) -> str:
@@ -42,6 +47,8 @@ class ZmqEventPublisher:
     `endpoint` and `replay_endpoint` are bound (`tcp://127.0.0.1:*` picks a free port; read the real address from
     `.endpoint` / `.replay_endpoint`). The replay buffer keeps the last `buffer_steps` payloads. `publish` blocks
     only when `max_queue_size` batches are waiting for the thread, which a healthy publisher never reaches.
+    With a replay socket the publisher also keeps what it holds per medium (`Holdings`, at most
+    `max_snapshot_blocks` entries) and answers snapshot requests from it; `snapshots=False` turns that off.
     """
 
     def __init__(
@@ -56,6 +63,8 @@ class ZmqEventPublisher:
         max_queue_size: int = 100_000,
         wire: WireOptions = WireOptions(),
         context: zmq.Context | None = None,
+        snapshots: bool = True,
+        max_snapshot_blocks: int = DEFAULT_MAX_BLOCKS,
     ) -> None:
         if buffer_steps < 1:
             raise ValueError(f"buffer_steps must be >= 1, got {buffer_steps}")
@@ -72,6 +81,9 @@ class ZmqEventPublisher:
         self._pub, self._replay = self._bind(endpoint, replay_endpoint, hwm, buffer_steps)
         self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT) if self._replay else None
+        # NOTE: owned by the publisher thread, like the sockets: a snapshot it answers matches the seqs it sent
+        self._holdings = Holdings(max_snapshot_blocks) if snapshots and self._replay is not None else None
+        self.malformed_requests = 0  # replay-socket messages that were neither a replay nor a snapshot request
         self._thread = threading.Thread(target=self._run, name="kv-event-publisher", daemon=True)
         self._thread.start()
 
@@ -85,8 +97,11 @@ class ZmqEventPublisher:
         if replay_endpoint is not None:
             replay = self._ctx.socket(zmq.ROUTER)
             replay.setsockopt(zmq.LINGER, 0)
-            # A ROUTER drops what exceeds a peer's HWM: leave room for a whole buffer's replay and its end marker.
-            replay.setsockopt(zmq.SNDHWM, buffer_steps + 1)
+            replay.setsockopt(zmq.MAXMSGSIZE, _MAX_REQUEST_BYTES)  # a peer sending more is disconnected
+            # A ROUTER drops what exceeds a peer's HWM: leave room for a whole buffer's replay and its end marker,
+            # twice over: the I/O thread reports what it has sent only every HWM/2 messages, so the messages of an
+            # earlier reply can still count against the next one (with buffer_steps=4, a replay lost its end marker).
+            replay.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 2))
             _bind_retrying(replay, replay_endpoint)
         return pub, replay
 
@@ -169,6 +184,8 @@ class ZmqEventPublisher:
             self._next_seq = seq + 1
         # NOTE: buffer before sending: a batch whose send fails is still replayable, so the gap is recoverable.
         self._buffer.append((seq, payload))
+        if self._holdings is not None:
+            self._holdings.apply(batch.events)
         self._pub.send_multipart((self._topic_bytes, encode_seq(seq), payload), copy=False)
 
     def _serve_replays(self) -> None:
@@ -176,15 +193,24 @@ class ZmqEventPublisher:
             return
         while self._replay.poll(0):
             frames = self._replay.recv_multipart()
-            if len(frames) != 3 or len(frames[2]) != 8:
-                log.warning("ignoring malformed replay request with %d frames", len(frames))
-                continue
-            identity, _, start = frames
-            start_seq = int.from_bytes(start, "big")
-            for seq, payload in list(self._buffer):
-                if seq >= start_seq:
-                    self._replay.send_multipart((identity, b"", encode_seq(seq), payload), copy=False)
-            self._replay.send_multipart((identity, b"", END_OF_REPLAY, b""))
+            if len(frames) == 3 and frames[2] == SNAPSHOT_REQUEST and self._holdings is not None:
+                self._send_snapshot(frames[0])
+            elif len(frames) == 3 and len(frames[2]) == SEQ_BYTES:
+                self._send_replay(frames[0], int.from_bytes(frames[2], "big"))
+            else:  # NOTE: debug, not warning: a peer sending garbage must not flood the worker's log
+                self.malformed_requests += 1
+                log.debug("ignoring malformed replay request with %d frames", len(frames))
+
+    def _send_replay(self, identity: bytes, start_seq: int) -> None:
+        for seq, payload in list(self._buffer):
+            if seq >= start_seq:
+                self._replay.send_multipart((identity, b"", encode_seq(seq), payload), copy=False)
+        self._replay.send_multipart((identity, b"", END_OF_REPLAY, b""))
+
+    def _send_snapshot(self, identity: bytes) -> None:
+        # NOTE: this thread also sends the batches, so no batch is half applied: the snapshot is exact at next_seq
+        payload = encode_snapshot(self._next_seq, self._holdings.items(), self._wire.hash_encoding)
+        self._replay.send_multipart((identity, b"", SNAPSHOT_REPLY, payload), copy=False)
 
 
 def _bind_retrying(sock: zmq.Socket, endpoint: str, timeout_s: float = 2.0) -> None:

@@ -5,7 +5,13 @@ The subscriber tracks the last sequence number it delivered. A live batch furthe
 everything from the first missing number, delivers the replayed batches in order, then the live one. What the replay
 cannot supply (the publisher's buffer already rolled over, no replay socket, replay timed out) is reported as
 `lost_before` on the next delivered batch, so the caller (the router's index) can drop that worker's state and
-rebuild it rather than trust a hole.
+rebuild it rather than trust a hole. With `snapshots=True` the subscriber first asks the replay socket for a snapshot
+(`snapshot.py`, a Strata publisher's holdings as of a sequence number) and delivers it as one `ReceivedBatch` with
+`snapshot` set: the caller replaces the publisher's state with it, and the batches after it apply on top.
+
+    live seq 42 after 17:  replay(18..) ──covers 18..41──> deliver 18..41, then 42
+                                        └─buffer starts at 30─> snapshot(next_seq=43) ──> deliver it; 42 is in it
+                                                               └─refused / timed out──> 30..41 with lost_before=12
 
 Not thread-safe: one thread owns a subscriber (ZeroMQ sockets belong to one thread).
 """
@@ -19,8 +25,9 @@ from typing import Iterator, NamedTuple
 import zmq
 
 from kvstore.events.publisher import DEFAULT_TOPIC
+from kvstore.events.snapshot import SNAPSHOT_REPLY, SNAPSHOT_REQUEST, Snapshot, decode_snapshot
 from kvstore.events.types import KVEventBatch
-from kvstore.events.wire import WireError, decode_batch, decode_seq, encode_seq
+from kvstore.events.wire import END_OF_REPLAY, SEQ_BYTES, WireError, decode_batch, decode_seq, encode_seq
 
 log = logging.getLogger(__name__)
 
@@ -34,13 +41,16 @@ class ReceivedBatch(NamedTuple):
     replayed: bool = False
     lost_before: int = 0
     publisher_restarted: bool = False  # the sequence went back: state learned from this publisher is stale
+    snapshot: Snapshot | None = None  # set: replace the publisher's state with it (`batch` is empty; `seq` is the
+    #                                   last number it covers)
 
 
 class ZmqEventSubscriber:
     """Receives batches in sequence order, replaying gaps.
 
     `from_seq` is the first sequence number the caller wants: 0 asks for the whole history the publisher still
-    buffers (a late joiner catches up through replay); None starts at whatever arrives first.
+    buffers (a late joiner catches up through replay); None starts at whatever arrives first. `snapshots=True`
+    loads a snapshot where the replay cannot cover a gap (only a caller that handles `ReceivedBatch.snapshot`).
     """
 
     def __init__(
@@ -53,8 +63,10 @@ class ZmqEventSubscriber:
         replay_timeout_s: float = 2.0,
         rcvhwm: int = 100_000,
         context: zmq.Context | None = None,
+        snapshots: bool = False,
     ) -> None:
         self.endpoint = endpoint
+        self.snapshots = snapshots
         self.replay_endpoint = replay_endpoint
         self.replay_timeout_s = replay_timeout_s
         self.last_seq = -1 if from_seq is None else from_seq - 1
@@ -69,6 +81,8 @@ class ZmqEventSubscriber:
         self.publisher_restarts = 0
         self._restart_unreported = False
         self.decode_errors = 0
+        self.snapshots_loaded = 0
+        self.snapshots_refused = 0  # refused, timed out or malformed: the gap was reported as lost instead
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.RCVHWM, rcvhwm)
         self._sub.setsockopt(zmq.LINGER, 0)
@@ -97,13 +111,8 @@ class ZmqEventSubscriber:
         """
         if self.replay_endpoint is None or not self._started:
             return 0
-        self.replays_requested += 1
         before = len(self._pending)
-        for seq, payload in self._request_replay(self.last_seq + 1):
-            if seq > self.last_seq:
-                lost = seq - (self.last_seq + 1)
-                self.batches_lost += lost
-                self._deliver(seq, payload, self._last_topic, replayed=True, lost_before=lost)
+        self._recover(None, self._last_topic)
         return len(self._pending) - before
 
     def __iter__(self) -> Iterator[ReceivedBatch]:
@@ -145,6 +154,8 @@ class ZmqEventSubscriber:
         if seq > self.last_seq + 1:
             self.gaps_detected += 1
             lost = self._replay_until(seq, topic)
+            if seq <= self.last_seq:
+                return  # a snapshot covers it
         self._deliver(seq, frames[2], topic, replayed=False, lost_before=lost)
 
     def _deliver(self, seq: int, payload: bytes, topic: str, *, replayed: bool, lost_before: int) -> None:
@@ -166,37 +177,86 @@ class ZmqEventSubscriber:
 
     def _replay_until(self, live_seq: int, topic: str) -> int:
         """Replay (last_seq, live_seq) into the pending queue; how many of those numbers stay lost."""
-        first_missing = self.last_seq + 1
-        if self.replay_endpoint is not None:
-            self.replays_requested += 1
-            for seq, payload in self._request_replay(first_missing):
-                if first_missing <= seq < live_seq and seq > self.last_seq:
-                    lost = seq - (self.last_seq + 1)
-                    self._deliver(seq, payload, topic, replayed=True, lost_before=lost)
-                    self.batches_lost += lost
-        lost = live_seq - (self.last_seq + 1)
+        self._recover(live_seq, topic)
+        lost = max(0, live_seq - (self.last_seq + 1))
         self.batches_lost += lost
         return lost
 
-    def _request_replay(self, start_seq: int) -> list[tuple[int, bytes]]:
-        """Every (seq, payload) the publisher buffers from `start_seq`; what came before a timeout on timeout."""
+    def _recover(self, until: int | None, topic: str) -> None:
+        """Deliver what the replay socket buffers after the last delivered batch (before `until`, when given),
+        preceded by a snapshot when `snapshots` is on and the buffer no longer reaches back that far.
+
+            last_seq  first                        until
+               |  |<-- hole -->|<-- replayed -->|
+        """
+        if self.replay_endpoint is None:
+            return
+        first = self.last_seq + 1
+        self.replays_requested += 1
+        got, complete = self._request_replay(first)
+        got = [(seq, p) for seq, p in got if seq >= first and (until is None or seq < until)]
+        hole_end = got[0][0] if got else (first if until is None else until)
+        if hole_end > first and complete and self.snapshots:
+            self._load_snapshot(topic)
+        for seq, payload in got:
+            if seq > self.last_seq:
+                lost = seq - (self.last_seq + 1)
+                self.batches_lost += lost
+                self._deliver(seq, payload, topic, replayed=True, lost_before=lost)
+
+    def _load_snapshot(self, topic: str) -> None:
+        snapshot = self._request_snapshot()
+        if snapshot is None or snapshot.next_seq <= self.last_seq + 1:
+            self.snapshots_refused += 1  # (a snapshot no newer than what was delivered is no use either)
+            return
+        self.snapshots_loaded += 1
+        self.last_seq = snapshot.next_seq - 1
+        self._pending.append(ReceivedBatch(self.last_seq, KVEventBatch(time.time(), []), topic, True, 0,
+                                           self._restart_unreported, snapshot))
+        self._restart_unreported, self._undecodable = False, 0
+
+    def _request_replay(self, start_seq: int) -> tuple[list[tuple[int, bytes]], bool]:
+        """Every (seq, payload) the publisher buffers from `start_seq`, and whether the end marker came (False: what
+        came before a timeout)."""
         sock = self._replay_socket()
         sock.send_multipart((b"", encode_seq(start_seq)))  # the empty delimiter makes it look like a REQ
         got: list[tuple[int, bytes]] = []
+        for frames in self._replies(f"replay from seq {start_seq}"):
+            if len(frames) != 3 or len(frames[1]) != SEQ_BYTES:
+                continue
+            seq = decode_seq(frames[1])
+            if seq < 0:
+                return got, True
+            got.append((seq, frames[2]))
+        return got, False
+
+    def _request_snapshot(self) -> Snapshot | None:
+        """The publisher's snapshot; None when it refuses (a vLLM publisher answers only an end-of-replay marker),
+        does not answer in time (an older Strata publisher ignores the request) or sends a malformed one."""
+        self._replay_socket().send_multipart((b"", SNAPSHOT_REQUEST))
+        for frames in self._replies("snapshot request"):
+            if len(frames) == 3 and frames[1] == END_OF_REPLAY:
+                log.info("%s does not serve snapshots: the gap is reported as lost", self.replay_endpoint)
+                return None
+            if len(frames) == 3 and frames[1] == SNAPSHOT_REPLY:
+                try:
+                    return decode_snapshot(frames[2])
+                except WireError:
+                    log.exception("malformed snapshot from %s", self.replay_endpoint)
+                    return None
+        return None
+
+    def _replies(self, what: str) -> Iterator[list[bytes]]:
+        """Messages on the replay socket until the caller stops or `replay_timeout_s` passes since the request."""
+        sock = self._replay_socket()
         deadline = time.monotonic() + self.replay_timeout_s
         while True:
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0 or not sock.poll(left_ms):
-                log.warning("replay from seq %d timed out after %d batches", start_seq, len(got))
-                self._drop_replay_socket()  # late replies must not leak into the next replay
-                return got
-            frames = sock.recv_multipart()
-            if len(frames) != 3:
-                continue
-            seq = decode_seq(frames[1])
-            if seq < 0:
-                return got
-            got.append((seq, frames[2]))
+                log.warning("%s to %s timed out", what, self.replay_endpoint)
+                self._drop_replay_socket()  # late replies must not leak into the next request
+                return
+            yield sock.recv_multipart()
 
     def _replay_socket(self) -> zmq.Socket:
         if self._replay is None:

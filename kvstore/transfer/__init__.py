@@ -10,11 +10,11 @@ Importing this package never needs the optional RDMA packages: their adapters im
 from kvstore.transfer import mooncake, nixl, shm, tcp  # noqa: F401  (each registers its backend)
 from kvstore.transfer.base import (TRANSFER_REGISTRY, Descriptor, LeaseId, MemoryRegion, ReadResult, RegionHandle,
                                    TransferAgent, TransferConfig, create_agent, pack_views, register_backend)
-from kvstore.transfer.errors import (BackendUnavailable, LeaseExpired, OutOfBounds, PeerUnavailable, TransferError,
-                                     TransferTimeout, UnknownRegion)
+from kvstore.transfer.errors import (AccessDenied, BackendUnavailable, LeaseExpired, LeaseRequired, MalformedRequest,
+                                     OutOfBounds, PeerUnavailable, TransferError, TransferTimeout, UnknownRegion)
 
 __all__ = [
-    "TRANSFER_REGISTRY", "BackendUnavailable", "Descriptor", "LeaseExpired", "LeaseId", "MemoryRegion",
+    "TRANSFER_REGISTRY", "AccessDenied", "BackendUnavailable", "LeaseRequired", "MalformedRequest", "Descriptor", "LeaseExpired", "LeaseId", "MemoryRegion",
     "OutOfBounds", "PeerUnavailable", "ReadResult", "RegionHandle", "TransferAgent", "TransferConfig",
     "TransferError", "TransferTimeout", "UnknownRegion", "create_agent", "pack_views", "register_backend",
 ]

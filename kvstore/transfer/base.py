@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, NewType, Sequence
 
 from kvstore.transfer.errors import OutOfBounds
@@ -103,7 +103,12 @@ class MemoryRegion:
 
 @dataclass(frozen=True)
 class TransferConfig:
-    """Which backend a worker uses and its limits. `port=0` picks a free port (tcp)."""
+    """Which backend a worker uses and its limits. `port=0` picks a free port (tcp). `secret`: the fleet's shared
+    secret (`WorkerConfig.cluster_secret`; empty = none): set, tcp requests carry an HMAC proof of it and the owner
+    refuses those without (`AccessDenied`); readers and owners of one fleet must all be given it.
+    `tls_cert_file` / `tls_key_file` / `tls_ca_file`: PEM files (all three or none; the fleet's TLS files): set, the
+    tcp backend's connections are TLS both ways, the owner requiring a reader certificate the CA signed
+    (`tcp_tls.py`); other backends do not cross the network (shm) or bring their own transport (nixl, mooncake)."""
 
     backend: str = "shm"
     host: str = "127.0.0.1"
@@ -112,6 +117,10 @@ class TransferConfig:
     max_leases: int = 1024
     max_ranges_per_lease: int = 2048  # merged ranges; shm lease table is sparse (untouched slots cost nothing)
     options: tuple[tuple[str, str], ...] = ()  # backend-specific (nixl/mooncake), as (key, value) pairs
+    secret: str = field(default="", repr=False)  # NOTE: out of repr, so a logged config does not leak it
+    tls_cert_file: str = field(default="", repr=False)
+    tls_key_file: str = field(default="", repr=False)
+    tls_ca_file: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         if self.backend not in TRANSFER_REGISTRY:
@@ -121,6 +130,13 @@ class TransferConfig:
         for name in ("max_regions", "max_leases", "max_ranges_per_lease"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        tls = [self.tls_cert_file, self.tls_key_file, self.tls_ca_file]
+        if any(tls) and not all(tls):
+            raise ValueError("tls_cert_file, tls_key_file and tls_ca_file go together: give all three or none")
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_cert_file)
 
 
 class TransferAgent(ABC):
@@ -136,7 +152,9 @@ class TransferAgent(ABC):
       (tcp). After a failure the destination bytes are unspecified. One agent may serve reads from several
       threads; reads to the same tcp peer are serialised.
     - A lease (`grant_lease`) pins ranges of one region for `ttl_s`; reads carrying its id fail with `LeaseExpired`
-      once it has run out or been released. A read without a lease id is unchecked (the caller vouches for it).
+      once it has run out or been released. A read without a lease id fails with `LeaseRequired` where the owner
+      serves it (tcp); where the reader maps the memory itself (shm, nixl, mooncake) it is unchecked (the caller
+      vouches for it: the owner granted it that memory when it shared it).
     - `close` unregisters everything, stops serving and detaches from peers; later reads from peers of this agent
       fail with `PeerUnavailable`. It is idempotent.
     - Backends whose reads never reach owner code and that cannot look the owner up themselves (nixl, mooncake)

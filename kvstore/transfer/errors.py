@@ -33,5 +33,17 @@ class OutOfBounds(TransferError):
     """The descriptor's range falls outside its region, outside its lease, or overflows its destination buffer."""
 
 
+class LeaseRequired(TransferError):
+    """The read carries no lease, and the owner serves only leased ranges (tcp: a read reaches owner memory)."""
+
+
+class AccessDenied(TransferError):
+    """The request lacks a valid proof of the fleet's secret (`TransferConfig.secret`), or the owner has none."""
+
+
+class MalformedRequest(TransferError):
+    """The owner could not parse the request (wrong shape, bad field, past a size limit)."""
+
+
 class BackendUnavailable(TransferError):
     """An optional backend (nixl, mooncake) was chosen but its package cannot be imported here."""

@@ -6,7 +6,7 @@ connection per owner, sends a whole batch as one request and receives every payl
 buffers with `recvmsg_into`: one kernel copy in all (a bare socket makes two) and none in user space.
 
     reader                               owner
-    [id, [[region, off, len, lease], ..]] ->  check every read, then
+    [proof] [id, [[region, off, len, lease], ..]] ->  check the proof and every read (each needs a live lease), then
                                          <-  [id, None] + bytes of read 0, read 1, ... (spliced region pages)
                                          <-  [id, [error, message, index]]     (nothing sent when a check fails)
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import socket
+import ssl
 import threading
 import time
 from typing import Any, Sequence
@@ -30,8 +31,10 @@ from kvstore.transfer.base import (Deadline, Descriptor, LeaseId, MemoryRegion, 
                                    TransferAgent, TransferConfig, byte_views, register_backend)
 from kvstore.transfer.errors import OutOfBounds, PeerUnavailable, TransferError, TransferTimeout, UnknownRegion
 from kvstore.transfer.lease import LeaseBook
-from kvstore.transfer.tcp_server import (ERRORS, Bounded, TcpServer, close_socket, recv_header, send_message,
-                                         tune)
+from kvstore.transfer.tcp_request import MAX_READS_PER_REQUEST, encode_request, secret_key
+from kvstore.transfer.tcp_server import (ERRORS, LENGTH, Bounded, TcpServer, TlsBounded, close_socket, recv_header,
+                                         send_message, tune)
+from kvstore.transfer.tcp_tls import client_context, send_tls, server_context, tls_failure
 
 SCHEME = "tcp://"
 
@@ -39,17 +42,22 @@ SCHEME = "tcp://"
 class _TcpPeer:
     """A reader's connection to one owner; one batch at a time (`lock`)."""
 
-    def __init__(self, address: str, deadline: Deadline) -> None:
-        self.address = address
+    def __init__(self, address: str, deadline: Deadline, key: bytes = b"", tls: ssl.SSLContext | None = None) -> None:
+        """`tls`: the reader's TLS context (`tcp_tls.client_context`); set, the connection shakes hands first."""
+        self.address, self.key, self.tls = address, key, tls is not None
         host, _, port = address[len(SCHEME):].rpartition(":")
         try:
             self.sock = socket.create_connection((host, int(port)), timeout=max(deadline.remaining(), 0.001))
+            tune(self.sock)
+            if tls is not None:  # the handshake runs under the connect timeout: the deadline bounds it too
+                self.sock = tls.wrap_socket(self.sock, server_hostname=host.strip("[]"))
         except socket.timeout:
             raise TransferTimeout(f"connecting to {address} took past the deadline") from None
+        except ssl.SSLError as e:  # the owner's certificate is not the fleet's, or it refused ours
+            raise tls_failure(e, f"TLS handshake with the owner at {address} failed") from None
         except (OSError, ValueError) as e:
             raise PeerUnavailable(f"cannot connect to the owner at {address}: {e}") from None
-        tune(self.sock)
-        self.bounded = Bounded(self.sock)
+        self.bounded = TlsBounded(self.sock) if tls is not None else Bounded(self.sock)
         self.ids = itertools.count(1)
         self.lock = threading.Lock()
         self.closed = False
@@ -61,18 +69,24 @@ class _TcpPeer:
         reads = [[descs[i].region_id, descs[i].offset, descs[i].length, descs[i].lease_id] for i in indices]
         try:
             self.bounded.check(deadline.at)
-            send_message(self.sock, msgpack.packb([request_id, reads]))
+            message = encode_request(request_id, reads, self.key)
+            if self.tls:
+                send_tls(self.sock, LENGTH.pack(len(message)) + message)
+            else:
+                send_message(self.sock, message)
             header = recv_header(self.sock, fill=lambda view: self.bounded.recv_all([view], deadline.at))
             reply_id, error = msgpack.unpackb(header)
-            if reply_id != request_id:
+            if reply_id not in (request_id, None) or (reply_id is None and error is None):
                 raise TransferError(f"reply {reply_id} from {self.address} to request {request_id}")
-            if error is not None:
+            if error is not None:  # NOTE: an id of None answers a request the owner could not read (no proof...)
                 name, message, index = error
-                raise ERRORS.get(name, TransferError)(f"{self.address}: {message}",
-                                                      indices[index] if index is not None else None)
+                at = indices[index] if isinstance(index, int) and 0 <= index < len(indices) else None
+                raise ERRORS.get(name, TransferError)(f"{self.address}: {message}", at)
             self.bounded.recv_all([views[i][:descs[i].length] for i in indices], deadline.at)
         except (socket.timeout, BlockingIOError):  # BlockingIOError: SO_SNDTIMEO ran out mid-request
             raise TransferTimeout(f"deadline passed while reading from {self.address}") from None
+        except ssl.SSLError as e:  # TLS 1.3: an owner refuses the reader's certificate after the reader's handshake
+            raise tls_failure(e, f"TLS with the owner at {self.address} failed") from None
         except OSError as e:  # refused, reset, closed (ConnectionClosed) mid-reply
             raise PeerUnavailable(f"owner at {self.address}: {e}") from None
         except (ValueError, TypeError, msgpack.UnpackException) as e:
@@ -92,7 +106,10 @@ class TcpAgent(TransferAgent):
         self._regions: dict[str, MemoryRegion] = {}
         self._lock = threading.Lock()
         self._leases = LeaseBook()
-        self._server = TcpServer(self._config.host, self._config.port, self._regions, self._lock, self._leases)
+        self._key = secret_key(self._config.secret)
+        self._tls = client_context(self._config)            # None: plain tcp (the zero-copy path)
+        self._server = TcpServer(self._config.host, self._config.port, self._regions, self._lock, self._leases,
+                                 self._key, server_context(self._config))
         host = self._config.host if self._config.host not in ("0.0.0.0", "*", "") else socket.gethostname()
         self._address = f"{SCHEME}{host}:{self._server.port}"
         self._peers: dict[str, _TcpPeer] = {}
@@ -136,7 +153,8 @@ class TcpAgent(TransferAgent):
                 raise OutOfBounds(f"descriptor {i} has a negative offset or length", i)
             by_peer.setdefault(desc.agent, []).append(i)
         for address, indices in by_peer.items():
-            self._read_from(address, descs, views, indices, deadline)
+            for start in range(0, len(indices), MAX_READS_PER_REQUEST):  # the owner refuses bigger requests
+                self._read_from(address, descs, views, indices[start:start + MAX_READS_PER_REQUEST], deadline)
         return ReadResult(len(descs), sum(d.length for d in descs), time.perf_counter() - start)
 
     def _read_from(self, address: str, descs: Sequence[Descriptor], views: list[memoryview], indices: list[int],
@@ -158,7 +176,8 @@ class TcpAgent(TransferAgent):
         if peer is None:
             if not address.startswith(SCHEME):
                 raise PeerUnavailable(f"{address!r} is not a tcp agent address ({SCHEME}host:port)")
-            fresh = _TcpPeer(address, deadline)  # NOTE: connect outside the lock: a slow peer stalls no other
+            # NOTE: connect outside the lock: a slow peer stalls no other
+            fresh = _TcpPeer(address, deadline, self._key, self._tls)
             with self._lock:
                 peer = self._peers.setdefault(address, fresh)
             if peer is not fresh:

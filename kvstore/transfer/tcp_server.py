@@ -3,36 +3,51 @@
 Wire format: every message is a 4-byte big-endian length and a msgpack header (no pickle); a reply's payload
 follows its header raw.
 
-    request : [request_id, [[region_id, offset, length, lease_id|None], ...]]
+    request : [request_id, [[region_id, offset, length, lease_id], ...]]   (`tcp_request.py`: proof, limits)
     reply   : [request_id, None]                     then every read's bytes, back to back, in request order
     error   : [request_id, [error_name, message, index]]   (index: the read at fault, or None)
 
-Every read of a request is checked (region, bounds, lease) before any byte is sent. The payload's pages are spliced
+Every read of a request is checked (region, bounds, lease) before any byte is sent, and every read must carry a
+live lease: the lease is the owner's consent to that range (`LeaseRequired` otherwise). Nothing a peer sends can
+crash the server or make it allocate more than what the peer has sent: a malformed or unauthenticated request gets
+an error reply, a message past `MAX_REQUEST_BYTES` drops the connection. The payload's pages are spliced
 into the socket (`page_splice`: no copy at all on the owner, `sendmsg` where splicing is unavailable), and the reader
-receives it straight into its destination buffers.
+receives it straight into its destination buffers. With TLS (`tcp_tls.py`, the fleet's certificates) the same
+messages run inside TLS records, the payload encrypted from region memory instead of spliced.
 """
 from __future__ import annotations
 
 import itertools
+import logging
 import socket
 import struct
 import threading
 import time
 from typing import Callable, Sequence
 
+import ssl
+
 import msgpack
 
 from kvstore.transfer.base import MemoryRegion
-from kvstore.transfer.errors import LeaseExpired, OutOfBounds, TransferError, UnknownRegion
+from kvstore.transfer.errors import (AccessDenied, LeaseExpired, LeaseRequired, MalformedRequest, OutOfBounds,
+                                     TransferError, UnknownRegion)
 from kvstore.transfer.lease import LeaseBook, check_lease
+from kvstore.transfer.tcp_request import ReadRequest, decode_request, request_id_of
+from kvstore.transfer.tcp_tls import handshake, send_tls, wrap_accepted
 from kvstore.transfer.page_splice import IOV_MAX, PageSender, address_of, send_views
 
 SOCKET_BUFFER_BYTES = 8 << 20
 MAX_HEADER_BYTES = 16 << 20      # a request for ~100k reads; anything larger is a broken peer
+MAX_REQUEST_BYTES = 8 << 20      # what the owner accepts: 64k reads (MAX_READS_PER_REQUEST) of <= ~100 bytes each
+MAX_CONNECTIONS = 512            # a thread each; past it a new connection is closed at once
+_FIRST_CHUNK = 64 << 10          # a message body is received in growing chunks: memory follows what arrived
 LENGTH = struct.Struct("!I")
 TIMEVAL = struct.Struct("@ll")
 _RECV_IOV_BYTES = 2 << 20        # buffers offered to one recvmsg_into: more than a socket buffer holds at once
 _ACCEPT_POLL_S = 0.05
+
+log = logging.getLogger(__name__)
 
 
 class ConnectionClosed(OSError):
@@ -106,10 +121,36 @@ class Bounded:
                     pending[first], got = pending[first][got:], 0
 
 
-def recv_header(sock: socket.socket, *, eof_ok: bool = False,
-                fill: Callable[[memoryview], None] | None = None) -> bytearray | None:
+class TlsBounded:
+    """`Bounded` for a TLS socket: the same `check` / `recv_all` contract on Python's socket timeouts (the kernel's
+    SO_RCVTIMEO would surface inside OpenSSL as a WANT_READ error mid-record), one `recv_into` per TLS record."""
+
+    def __init__(self, sock: ssl.SSLSocket) -> None:
+        self.sock = sock
+
+    def check(self, until: float) -> None:
+        remaining = until - time.monotonic()
+        if remaining <= 0:
+            raise socket.timeout("deadline passed")
+        self.sock.settimeout(remaining)
+
+    def recv_all(self, views: list[memoryview], until: float) -> None:
+        for view in views:
+            got, n = 0, view.nbytes
+            while got < n:
+                self.check(until)
+                k = self.sock.recv_into(view[got:], n - got)
+                if k == 0:
+                    raise ConnectionClosed("connection closed by the peer")
+                got += k
+
+
+def recv_header(sock: socket.socket, *, eof_ok: bool = False, fill: Callable[[memoryview], None] | None = None,
+                max_bytes: int = MAX_HEADER_BYTES) -> bytearray | None:
     """One length-prefixed message body (None at a clean EOF between messages when `eof_ok`). `fill(view)` fills a
-    view exactly (default: `recv_exactly` on `sock`; a reader passes its deadline-bound `Bounded.recv_all`)."""
+    view exactly (default: `recv_exactly` on `sock`; a reader passes its deadline-bound `Bounded.recv_all`). A body
+    past `max_bytes` closes the connection; one below it is received in chunks that at most double what has
+    arrived, so a peer that announces a large body and sends nothing costs `_FIRST_CHUNK`, not the body."""
     fill = fill or (lambda view: recv_exactly(sock, view))
     prefix = bytearray(LENGTH.size)
     try:
@@ -119,10 +160,14 @@ def recv_header(sock: socket.socket, *, eof_ok: bool = False,
             return None
         raise
     (length,) = LENGTH.unpack(prefix)
-    if length > MAX_HEADER_BYTES:
-        raise ConnectionClosed(f"message header of {length} bytes exceeds {MAX_HEADER_BYTES}")
-    body = bytearray(length)
+    if length > max_bytes:
+        raise ConnectionClosed(f"message header of {length} bytes exceeds {max_bytes}")
+    body = bytearray(min(length, _FIRST_CHUNK))
     fill(memoryview(body))
+    while len(body) < length:
+        chunk = bytearray(min(length - len(body), len(body)))
+        fill(memoryview(chunk))
+        body += chunk
     return body
 
 
@@ -135,8 +180,11 @@ class TcpServer:
     """Serves `regions` (shared with the agent, guarded by `lock`) until `stop()`."""
 
     def __init__(self, host: str, port: int, regions: dict[str, MemoryRegion], lock: threading.Lock,
-                 leases: LeaseBook) -> None:
-        self._regions, self._lock, self._leases = regions, lock, leases
+                 leases: LeaseBook, key: bytes = b"", tls: ssl.SSLContext | None = None) -> None:
+        """`key`: the fleet secret's bytes; set, every request must carry its proof (`tcp_request.py`). `tls`: the
+        owner's TLS context (`tcp_tls.server_context`); set, every connection is TLS and payloads are encrypted
+        copies instead of spliced pages."""
+        self._regions, self._lock, self._leases, self._key, self._tls = regions, lock, leases, key, tls
         self._listener = socket.create_server(("" if host == "*" else host, port), backlog=128)
         self._listener.settimeout(_ACCEPT_POLL_S)
         self.port = self._listener.getsockname()[1]
@@ -165,8 +213,17 @@ class TcpServer:
                     continue
                 conn.settimeout(None)
                 tune(conn)
+                if self._tls is not None:
+                    conn = wrap_accepted(self._tls, conn)
                 with self._lock:
-                    self._connections.add(conn)
+                    full = len(self._connections) >= MAX_CONNECTIONS
+                    if not full:
+                        self._connections.add(conn)
+                if full:
+                    log.warning("tcp transfer server on port %d has %d connections: refusing one more",
+                                self.port, MAX_CONNECTIONS)
+                    close_socket(conn)
+                    continue
                 threading.Thread(target=self._serve, args=(conn,), name=f"strata-transfer-tcp:{self.port}:conn",
                                  daemon=True).start()
         finally:
@@ -175,14 +232,23 @@ class TcpServer:
     def _serve(self, conn: socket.socket) -> None:
         sender = PageSender()
         try:
+            if self._tls is not None:
+                handshake(conn)
             while not self._stop.is_set():
-                header = recv_header(conn, eof_ok=True)
+                header = recv_header(conn, eof_ok=True, max_bytes=MAX_REQUEST_BYTES)
                 if header is None:
                     return
                 reply, payload, addresses = self._answer(header)
-                sender.send(conn, LENGTH.pack(len(reply)) + reply, payload, addresses)
+                if self._tls is not None:
+                    send_tls(conn, LENGTH.pack(len(reply)) + reply, payload)
+                else:
+                    sender.send(conn, LENGTH.pack(len(reply)) + reply, payload, addresses)
+        except ssl.SSLError as e:  # a plain-text reader, or a certificate the fleet CA did not sign: refused
+            log.info("tcp transfer server on port %d refused a TLS connection: %s", self.port, e)
         except OSError:
-            pass  # the reader went away (or stop() closed us): nothing to answer
+            pass  # the reader went away (or stop() closed us, or sent a message past the limit): nothing to answer
+        except Exception:  # noqa: BLE001 - a peer must never take the server down: drop this connection only
+            log.exception("tcp transfer server dropped a connection after an unexpected error")
         finally:
             with self._lock:
                 self._connections.discard(conn)
@@ -191,22 +257,22 @@ class TcpServer:
 
     def _answer(self, header: bytes) -> tuple[bytes, list[memoryview], list[int]]:
         """The reply header, and the payload's slices of region memory with their addresses."""
-        request_id = None
         try:
-            request_id, reads = msgpack.unpackb(header)
+            request = decode_request(header, self._key)
+        except TransferError as e:  # MalformedRequest, AccessDenied: answered with the id when it can be read
+            return _error_reply(request_id_of(header, self._key), e), [], []
+        try:
             payload, addresses = [], []
-            for i, read in enumerate(reads):
-                view, address = self._slice(i, *read)
+            for i, read in enumerate(request.reads):
+                view, address = self._slice(i, read)
                 payload.append(view)
                 addresses.append(address)
         except TransferError as e:
-            return msgpack.packb([request_id, [type(e).__name__, str(e), e.desc_index]]), [], []
-        except (ValueError, TypeError, msgpack.UnpackException) as e:
-            return msgpack.packb([request_id, ["TransferError", f"malformed request: {e}", None]]), [], []
-        return msgpack.packb([request_id, None]), payload, addresses
+            return _error_reply(request.request_id, e), [], []
+        return msgpack.packb([request.request_id, None]), payload, addresses
 
-    def _slice(self, index: int, region_id: str, offset: int, length: int,
-               lease_id: int | None) -> tuple[memoryview, int]:
+    def _slice(self, index: int, read: ReadRequest) -> tuple[memoryview, int]:
+        region_id, offset, length, lease_id = read
         with self._lock:
             region = self._regions.get(region_id)
             base = self._bases.get(region_id)
@@ -218,10 +284,16 @@ class TcpServer:
             raise UnknownRegion(f"region {region_id!r} is not registered", index)
         if offset < 0 or length < 0 or offset + length > region.length:
             raise OutOfBounds(f"({offset}, {length}) is outside region {region_id!r} of {region.length} bytes", index)
-        if lease_id is not None:
-            check_lease(self._leases.get(lease_id), lease_id, region_id, offset, length, index)
+        if lease_id is None:
+            raise LeaseRequired(f"read {index} of region {region_id!r} carries no lease: the owner serves only "
+                                "ranges it has leased (grant_lease)", index)
+        check_lease(self._leases.get(lease_id), lease_id, region_id, offset, length, index)
         # NOTE: the lease is what keeps these bytes unchanged until the reader has them (see page_splice)
         return region.buffer[offset:offset + length], base[1] + offset
+
+
+def _error_reply(request_id: int | None, error: TransferError) -> bytes:
+    return msgpack.packb([request_id, [type(error).__name__, str(error), error.desc_index]])
 
 
 def close_socket(sock: socket.socket) -> None:
@@ -233,5 +305,6 @@ def close_socket(sock: socket.socket) -> None:
 
 
 ERRORS: dict[str, type[TransferError]] = {
-    cls.__name__: cls for cls in (TransferError, UnknownRegion, OutOfBounds, LeaseExpired)
+    cls.__name__: cls for cls in (TransferError, UnknownRegion, OutOfBounds, LeaseExpired, LeaseRequired,
+                                  AccessDenied, MalformedRequest)
 }

@@ -28,9 +28,14 @@ def reader_for(backend: str):
     return create_agent(TransferConfig(backend=backend))
 
 
+def whole_lease(owner: OwnerProcess, region_id: str = "pool") -> int:
+    """A long lease over the whole region: a tcp owner serves only leased ranges."""
+    return owner.grant(region_id, [(0, owner.sizes[region_id])], ttl_s=600.0)
+
+
 def test_owner_killed_mid_session_gives_explicit_error_within_deadline(backend):
     with OwnerProcess(backend, {"pool": 4 << 20}) as owner, reader_for(backend) as reader:
-        desc = owner.handles["pool"].descriptor(0, 1 << 20)
+        desc = owner.handles["pool"].descriptor(0, 1 << 20, whole_lease(owner))
         reader.read([desc], [bytearray(1 << 20)], deadline_s=5.0)
         owner.kill()
         start = time.monotonic()
@@ -42,7 +47,7 @@ def test_owner_killed_mid_session_gives_explicit_error_within_deadline(backend):
 def test_owner_killed_during_a_stream_of_reads_never_hangs(backend):
     """A reader thread reads 8 MiB batches back to back; SIGKILL lands mid-stream; the next failing read raises."""
     with OwnerProcess(backend, {"pool": 16 << 20}) as owner, reader_for(backend) as reader:
-        desc = owner.handles["pool"].descriptor(0, 8 << 20)
+        desc = owner.handles["pool"].descriptor(0, 8 << 20, whole_lease(owner))
         dst = np.zeros(8 << 20, np.uint8)
         outcome = {}
 
@@ -69,7 +74,7 @@ def test_owner_killed_during_a_stream_of_reads_never_hangs(backend):
 
 def test_stalled_tcp_owner_gives_transfer_timeout_at_the_deadline():
     with OwnerProcess("tcp", {"pool": 1 << 20}) as owner, reader_for("tcp") as reader:
-        desc = owner.handles["pool"].descriptor(0, 4096)
+        desc = owner.handles["pool"].descriptor(0, 4096, whole_lease(owner))
         reader.read([desc], [bytearray(4096)], deadline_s=5.0)
         owner.pause()  # SIGSTOP: the connection stays up, nothing answers
         try:
@@ -89,7 +94,7 @@ def test_a_short_deadline_does_not_cut_a_later_longer_one_short():
     """The reader's socket keeps the kernel's timeout from an earlier read; a later read with more time waits its
     own deadline out (the owner stalls 0.6 s) instead of failing at the earlier one's 0.1 s."""
     with OwnerProcess("tcp", {"pool": 1 << 20}) as owner, reader_for("tcp") as reader:
-        desc = owner.handles["pool"].descriptor(0, 4096)
+        desc = owner.handles["pool"].descriptor(0, 4096, whole_lease(owner))
         for _ in range(3):
             reader.read([desc], [bytearray(4096)], deadline_s=0.1)
         owner.pause()
@@ -128,7 +133,7 @@ def test_deadline_passing_during_a_large_shm_batch_gives_transfer_timeout():
 
 def test_deadline_passing_during_a_large_tcp_batch_gives_transfer_timeout():
     with OwnerProcess("tcp", {"pool": 16 << 20}) as owner, reader_for("tcp") as reader:
-        descs = [owner.handles["pool"].descriptor(0, 16 << 20)] * 4
+        descs = [owner.handles["pool"].descriptor(0, 16 << 20, whole_lease(owner))] * 4
         dsts = [np.zeros(16 << 20, np.uint8) for _ in descs]
         start = time.monotonic()
         with pytest.raises(TransferTimeout):

@@ -7,17 +7,34 @@ import time
 import numpy as np
 import pytest
 
-from kvstore.transfer import (Descriptor, LeaseExpired, OutOfBounds, PeerUnavailable, TransferConfig,
-                              UnknownRegion, create_agent, pack_views)
+from kvstore.transfer import (Descriptor, LeaseExpired, LeaseRequired, OutOfBounds, PeerUnavailable,
+                              RegionHandle, TransferConfig, UnknownRegion, create_agent, pack_views)
 from kvstore.transfer.owner_process import OwnerProcess, region_bytes
 
 POOL = 24 << 20
 MiB = 1 << 20
 
 
+class LeasedHandle:
+    """A region handle whose descriptors carry a lease over the whole region (a tcp owner serves only leased
+    ranges); one given explicitly wins."""
+
+    def __init__(self, handle: RegionHandle, lease: int) -> None:
+        self.handle, self.lease = handle, lease
+        self.agent, self.region_id, self.length = handle
+
+    def descriptor(self, offset: int, length: int, lease_id: int | None = None) -> Descriptor:
+        return self.handle.descriptor(offset, length, self.lease if lease_id is None else lease_id)
+
+
+def leased(proc: OwnerProcess) -> dict[str, LeasedHandle]:
+    return {rid: LeasedHandle(h, proc.grant(rid, [(0, h.length)], ttl_s=3600.0)) for rid, h in proc.handles.items()}
+
+
 @pytest.fixture(scope="module")
 def owner():
     with OwnerProcess("tcp", {"pool": POOL}) as proc:
+        proc.leased = leased(proc)
         yield proc
 
 
@@ -35,7 +52,7 @@ def make_descs(handle, count: int, max_len: int, seed: int = 0) -> list[Descript
 
 
 def test_many_descriptors_round_trip_exact_bytes(owner, reader):
-    handle, expected = owner.handles["pool"], region_bytes("pool", POOL)
+    handle, expected = owner.leased["pool"], region_bytes("pool", POOL)
     descs = make_descs(handle, 300, 64 << 10)  # many small reads packed several to a request
     dsts = [np.zeros(d.length, np.uint8) for d in descs]
     result = reader.read(descs, dsts, deadline_s=20.0)
@@ -46,7 +63,7 @@ def test_many_descriptors_round_trip_exact_bytes(owner, reader):
 
 def test_large_descriptor_arrives_exactly(owner, reader):
     """A 9.5 MiB read arrives in many socket reads (more than the socket buffers hold); every byte in place."""
-    handle, expected = owner.handles["pool"], region_bytes("pool", POOL)
+    handle, expected = owner.leased["pool"], region_bytes("pool", POOL)
     n = 9 * MiB + MiB // 2
     dst = np.zeros(n, np.uint8)
     reader.read([handle.descriptor(123, n)], [dst], deadline_s=20.0)
@@ -54,7 +71,7 @@ def test_large_descriptor_arrives_exactly(owner, reader):
 
 
 def test_batched_read_lands_end_to_end_in_one_destination(owner, reader):
-    handle, expected = owner.handles["pool"], region_bytes("pool", POOL)
+    handle, expected = owner.leased["pool"], region_bytes("pool", POOL)
     descs = [handle.descriptor(i * (256 << 10), 256 << 10) for i in range(63, -1, -1)]  # 64 x 256 KiB, reversed
     big = np.zeros(64 * (256 << 10), np.uint8)
     reader.read(descs, pack_views(big, descs), deadline_s=20.0)
@@ -62,7 +79,7 @@ def test_batched_read_lands_end_to_end_in_one_destination(owner, reader):
 
 
 def test_concurrent_readers_each_get_their_own_bytes(owner):
-    handle, expected = owner.handles["pool"], region_bytes("pool", POOL)
+    handle, expected = owner.leased["pool"], region_bytes("pool", POOL)
     failures = []
 
     def run(seed: int) -> None:
@@ -82,25 +99,25 @@ def test_concurrent_readers_each_get_their_own_bytes(owner):
 
 
 def test_zero_length_descriptor_reads_nothing(owner, reader):
-    assert reader.read([owner.handles["pool"].descriptor(5, 0)], [bytearray(0)], deadline_s=5.0).nbytes == 0
+    assert reader.read([owner.leased["pool"].descriptor(5, 0)], [bytearray(0)], deadline_s=5.0).nbytes == 0
 
 
 def test_unknown_region_is_an_explicit_error_and_the_reader_recovers(owner, reader):
     with pytest.raises(UnknownRegion):
-        reader.read([Descriptor(owner.handles["pool"].agent, "nope", 0, 16)], [bytearray(16)], deadline_s=5.0)
+        reader.read([Descriptor(owner.leased["pool"].agent, "nope", 0, 16)], [bytearray(16)], deadline_s=5.0)
     dst = bytearray(16)
-    reader.read([owner.handles["pool"].descriptor(0, 16)], [dst], deadline_s=5.0)
+    reader.read([owner.leased["pool"].descriptor(0, 16)], [dst], deadline_s=5.0)
     assert bytes(dst) == region_bytes("pool", POOL)[:16].tobytes()
 
 
 @pytest.mark.parametrize("offset,length", [(POOL - 10, 11), (-1, 4)])
 def test_out_of_bounds_descriptor_is_rejected(owner, reader, offset, length):
     with pytest.raises(OutOfBounds):
-        reader.read([owner.handles["pool"].descriptor(offset, length)], [bytearray(16)], deadline_s=5.0)
+        reader.read([owner.leased["pool"].descriptor(offset, length)], [bytearray(16)], deadline_s=5.0)
 
 
 def test_leased_read_succeeds_then_fails_with_lease_expired_after_ttl(owner, reader):
-    handle = owner.handles["pool"]
+    handle = owner.leased["pool"]
     lease = owner.grant("pool", [(0, 2 * MiB)], ttl_s=0.5)
     reader.read([handle.descriptor(0, 2 * MiB, lease)], [bytearray(2 * MiB)], deadline_s=5.0)
     time.sleep(0.6)
@@ -112,13 +129,22 @@ def test_released_lease_fails_with_lease_expired(owner, reader):
     lease = owner.grant("pool", [(0, 4096)], ttl_s=30.0)
     assert owner.release(lease) is True
     with pytest.raises(LeaseExpired):
-        reader.read([owner.handles["pool"].descriptor(0, 4096, lease)], [bytearray(4096)], deadline_s=5.0)
+        reader.read([owner.leased["pool"].descriptor(0, 4096, lease)], [bytearray(4096)], deadline_s=5.0)
 
 
 def test_range_outside_its_lease_is_out_of_bounds(owner, reader):
     lease = owner.grant("pool", [(0, 4096)], ttl_s=30.0)
     with pytest.raises(OutOfBounds):
-        reader.read([owner.handles["pool"].descriptor(0, 4097, lease)], [bytearray(4097)], deadline_s=5.0)
+        reader.read([owner.leased["pool"].descriptor(0, 4097, lease)], [bytearray(4097)], deadline_s=5.0)
+
+
+def test_read_without_a_lease_is_refused_with_lease_required(owner, reader):
+    """A registered region is not an open one: the owner serves only ranges it has leased."""
+    handle = owner.handles["pool"]
+    with pytest.raises(LeaseRequired, match="carries no lease") as err:
+        reader.read([owner.leased["pool"].descriptor(0, 16), handle.descriptor(0, 16)], [bytearray(16)] * 2,
+                    deadline_s=5.0)
+    assert err.value.desc_index == 1
 
 
 def test_nobody_listening_gives_peer_unavailable_before_the_deadline(reader):
@@ -130,7 +156,7 @@ def test_nobody_listening_gives_peer_unavailable_before_the_deadline(reader):
 
 def test_owner_closing_gives_peer_unavailable(reader):
     owner = OwnerProcess("tcp", {"a": 4096}).start()
-    desc = owner.handles["a"].descriptor(0, 16)
+    desc = leased(owner)["a"].descriptor(0, 16)
     reader.read([desc], [bytearray(16)], deadline_s=5.0)
     owner.stop()
     with pytest.raises(PeerUnavailable):
@@ -144,22 +170,22 @@ def test_malformed_request_gets_an_error_reply_and_the_server_keeps_serving(owne
 
     from kvstore.transfer.tcp_server import LENGTH, recv_header
 
-    host, port = owner.handles["pool"].agent[len("tcp://"):].rsplit(":", 1)
+    host, port = owner.leased["pool"].agent[len("tcp://"):].rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=5) as sock:
         sock.sendall(LENGTH.pack(13) + b"\xc1 not msgpack")
         request_id, error = msgpack.unpackb(recv_header(sock))
-        assert error[0] == "TransferError" and "malformed" in error[1]
+        assert error[0] == "MalformedRequest" and "not msgpack" in error[1]
         sock.sendall(LENGTH.pack(1 << 30))  # a header no reader sends: the owner drops this connection only
         assert sock.recv(1) == b""
     dst = bytearray(8)
-    reader.read([owner.handles["pool"].descriptor(0, 8)], [dst], deadline_s=5.0)
+    reader.read([owner.leased["pool"].descriptor(0, 8)], [dst], deadline_s=5.0)
     assert bytes(dst) == region_bytes("pool", POOL)[:8].tobytes()
 
 
 def test_an_error_sends_no_byte_of_the_batch(owner, reader):
     """Every read is checked before any payload moves: a bad descriptor last in the batch leaves the earlier
     destinations untouched, and the connection serves the next batch."""
-    handle = owner.handles["pool"]
+    handle = owner.leased["pool"]
     dsts = [bytearray(b"\xaa" * 16), bytearray(16)]
     with pytest.raises(UnknownRegion) as err:
         reader.read([handle.descriptor(0, 16), Descriptor(handle.agent, "nope", 0, 16)], dsts, deadline_s=5.0)

@@ -76,8 +76,9 @@ def test_same_agent_can_read_its_own_region_and_rejects_a_bad_deadline(backend):
         try:
             region.buffer[:4] = b"abcd"
             handle = agent.register(region)
+            lease = agent.grant_lease("r", [(0, 4096)], ttl_s=30.0)  # a tcp owner serves only leased ranges
             dst = bytearray(4)
-            agent.read([handle.descriptor(0, 4)], [dst], deadline_s=5.0)
+            agent.read([handle.descriptor(0, 4, lease)], [dst], deadline_s=5.0)
             assert dst == b"abcd"
             with pytest.raises(ValueError, match="deadline_s"):
                 agent.read([handle.descriptor(0, 4)], [dst], deadline_s=-1)
