@@ -1,12 +1,17 @@
 """Put and get bandwidth of each KV-store tier, as a ratio against the raw baseline measured in the same run.
 
-    python benchmarks/kvstore_bench.py                      # host,disk; 64 KiB, 1 MiB, 16 MiB blocks
+    python benchmarks/kvstore_bench.py                      # host,disk,seal; 64 KiB, 1 MiB, 16 MiB blocks
+    python benchmarks/kvstore_bench.py --tiers seal --sizes 64KiB --rounds 15   # encryption at rest alone
     python benchmarks/kvstore_bench.py --tiers host,disk,redis,s3 --quick --json
 
 Baselines: memcpy between preallocated buffers (host), a plain file write / readinto per block (disk), redis-py
 SET / GET of the same bytes (redis), boto3 put_object / get_object (s3). Redis and S3 run as local servers started
-by `strata.devservers`. Tier and baseline run back to back in each round (order alternating); a ratio is the
-median of the per-round ratios and a bandwidth the median over rounds. The last line with `--json` is one JSON object holding every figure. Target: ratio >= 0.8 at 1 MiB.
+by `strata.devservers`. The `seal` part is the cost of encryption at rest (kvstore/sealing.py, AES-256-GCM): "put"
+seals each block, "get" opens it back into a preallocated buffer, both against a memcpy of the same bytes; its
+ratios are the sealer's share of memcpy's bandwidth (1/ratio = how many memcpys one seal or open costs).
+Tier and baseline run back to back in each round (order alternating); a ratio is the median of the per-round ratios
+and a bandwidth the median over rounds. The last line with `--json` is one JSON object holding every figure.
+Target: ratio >= 0.8 at 1 MiB (the tiers; the seal part has no target: it is a cost to know).
 """
 from __future__ import annotations
 
@@ -235,6 +240,43 @@ class S3Bench(Bench):
             self.client.get_object(Bucket="bench-raw", Key=k)["Body"].read()
 
 
+class SealBench(Bench):
+    """Sealing and opening (AES-256-GCM, a fresh nonce per block, as `SealedTier` does) against a memcpy of the
+    same bytes between preallocated buffers. No tier: `put` / `get` are the sealer's (get opens objects sealed once,
+    up front, straight into the preallocated buffers); `close` checks that every opened block is the original."""
+
+    def __init__(self, hashes, blocks) -> None:
+        super().__init__(hashes, blocks)
+        from kvstore.sealing import Sealer
+        self.sealer = Sealer(os.urandom(32))
+        self.src = [memoryview(b) for b in blocks]
+        self.dst = [memoryview(bytearray(len(b))) for b in blocks]  # the baseline's copies, touched once
+        for d in self.dst:
+            d[:] = b"\x01" * len(d)
+        self.sealed = [self.sealer.seal(h, b) for h, b in zip(hashes, blocks)]
+
+    def put(self) -> None:
+        # NOTE: each sealed object is dropped at once, as `SealedTier.put` hands it to its tier and lets it go;
+        # keeping a round's objects alive would time the allocator's fresh pages rather than the sealer.
+        for h, b in zip(self.hashes, self.src):
+            self.sealer.seal(h, b)
+
+    def get(self) -> None:
+        for h, obj, buf in zip(self.hashes, self.sealed, self.bufs):
+            self.sealer.open_into(h, obj, buf)
+
+    def base_put(self) -> None:
+        for d, b in zip(self.dst, self.src):
+            d[:] = b
+
+    def base_get(self) -> None:
+        for d, buf in zip(self.dst, self.bufs):
+            buf[:] = d
+
+    def close(self) -> None:
+        assert all(bytes(buf) == b for buf, b in zip(self.bufs, self.blocks)), "an opened block differs"
+
+
 def block_count(size: int, quick: bool, tier: str) -> int:
     budget = (8 if quick else 64) * MiB if tier in ("redis", "s3") else (32 if quick else 256) * MiB
     return max(2 if quick else 4, min(256, budget // size))
@@ -248,6 +290,8 @@ def bench_tier(tier: str, size: int, args: argparse.Namespace, servers: dict, ro
         bench = StoreBench(hashes, blocks)
     elif tier == "disk":
         bench = DiskBench(hashes, blocks, root)
+    elif tier == "seal":
+        bench = SealBench(hashes, blocks)
     elif tier == "redis":
         bench = RedisBench(hashes, blocks, servers["redis"].url)
     else:
@@ -273,10 +317,17 @@ def servers_for(tiers: list[str]):
         yield running
 
 
+def seal_line(size: str, r: dict) -> str:
+    return (f"seal   {size:>6s}  seal {r['put_GBps'] * 1e3:8.1f} MB/s = {r['put_ratio']:.2f}x memcpy "
+            f"({r['base_put_GBps'] * 1e3:.1f}; {1 / r['put_ratio']:.1f} memcpys)   open {r['get_GBps'] * 1e3:8.1f} "
+            f"MB/s = {r['get_ratio']:.2f}x memcpy ({r['base_get_GBps'] * 1e3:.1f}; {1 / r['get_ratio']:.1f} memcpys)")
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tiers", default="host,disk",
-                        help="comma-separated: host,disk,redis,s3 (and store: the TieredStore over host, verifying)")
+    parser.add_argument("--tiers", default="host,disk,seal",
+                        help="comma-separated: host,disk,redis,s3 (and store: the TieredStore over host, verifying; "
+                             "seal: AES-GCM seal/open against memcpy)")
     parser.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated, from {list(SIZES)}")
     parser.add_argument("--quick", action="store_true", help="few small rounds: checks that it works (CI)")
     parser.add_argument("--rounds", type=int, default=0, help="rounds per figure (best is kept)")
@@ -286,7 +337,7 @@ def main(argv: list[str] | None = None) -> dict:
     tiers = [t for t in args.tiers.split(",") if t]
     sizes = [s for s in args.sizes.split(",") if s]
     for name in tiers + sizes:
-        if name not in ("host", "disk", "redis", "s3", "store", *SIZES):
+        if name not in ("host", "disk", "redis", "s3", "store", "seal", *SIZES):
             parser.error(f"unknown tier or size {name!r}")
     root = tempfile.mkdtemp(prefix="strata-kvbench-", dir=args.dir or None)
     results: dict = {}
@@ -296,6 +347,9 @@ def main(argv: list[str] | None = None) -> dict:
                 for size in sizes:
                     r = bench_tier(tier, SIZES[size], args, servers, root)
                     results.setdefault(tier, {})[size] = r
+                    if tier == "seal":
+                        print(seal_line(size, r), flush=True)
+                        continue
                     print(f"{tier:6s} {size:>6s}  put {r['put_GBps'] * 1e3:8.1f} MB/s = {r['put_ratio']:.2f}x raw "
                           f"({r['base_put_GBps'] * 1e3:.1f})   get {r['get_GBps'] * 1e3:8.1f} MB/s = "
                           f"{r['get_ratio']:.2f}x raw ({r['base_get_GBps'] * 1e3:.1f})", flush=True)

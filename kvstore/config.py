@@ -60,12 +60,17 @@ class RedisTierConfig:
     key_prefix: str = "strata:kv"
     cluster: bool = False
     socket_timeout_s: float = 2.0
+    quota_bytes: int = 0  # per namespace fingerprint, counted in Redis itself; 0 = none
 
     def __post_init__(self) -> None:
         _require(self.url.startswith(("redis://", "rediss://", "unix://")),
                  f"redis.url must start with redis://, rediss:// or unix://, got {self.url!r}")
         _require(self.ttl_s >= 0, f"redis.ttl_s must be >= 0 (0 = no expiry), got {self.ttl_s}")
         _require(self.socket_timeout_s > 0, f"redis.socket_timeout_s must be > 0, got {self.socket_timeout_s}")
+        _require(self.quota_bytes >= 0, f"redis.quota_bytes must be >= 0 (0 = none), got {self.quota_bytes}")
+        _require(not (self.quota_bytes and self.cluster),
+                 "redis.quota_bytes needs a single Redis server (cluster=False): a namespace's counter and its "
+                 "blocks live in different cluster slots")
 
 
 @dataclass(frozen=True)
@@ -82,10 +87,14 @@ class S3TierConfig:
     region: str = ""
     create_bucket: bool = False
     layout: str = "pack"
+    quota_bytes: int = 0  # per namespace fingerprint, from the pack listing plus this process's writes; 0 = none
 
     def __post_init__(self) -> None:
         _require(3 <= len(self.bucket) <= 63, f"s3.bucket must be 3 to 63 characters, got {self.bucket!r}")
         _require(self.layout in ("pack", "block"), f"s3.layout must be 'pack' or 'block', got {self.layout!r}")
+        _require(self.quota_bytes >= 0, f"s3.quota_bytes must be >= 0 (0 = none), got {self.quota_bytes}")
+        _require(not (self.quota_bytes and self.layout != "pack"),
+                 f"s3.quota_bytes needs layout='pack' (its pack names carry the namespace), got {self.layout!r}")
         _require(not self.endpoint_url or self.endpoint_url.startswith(("http://", "https://")),
                  f"s3.endpoint_url must be empty or start with http:// or https://, got {self.endpoint_url!r}")
 
@@ -104,6 +113,8 @@ class StoreConfig:
     - `lookup_timeout_s`: how long a lookup or read waits for the shared tiers (redis, s3) before treating a tier
       that has not answered as a miss.
     - `backoff_initial_s` / `backoff_max_s`: an unhealthy tier is retried after this, doubling up to the max.
+    - `encryption_key_file`: a file of 32 raw bytes or 64 hex characters; set, every tier but host holds its
+      blocks sealed with AES-256-GCM (kvstore/sealing.py). Empty: plaintext.
     """
 
     host: HostTierConfig = field(default_factory=HostTierConfig)
@@ -119,9 +130,13 @@ class StoreConfig:
     lookup_timeout_s: float = 2.0
     backoff_initial_s: float = 0.5
     backoff_max_s: float = 30.0
+    encryption_key_file: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "write_through", tuple(self.write_through))
+        if self.encryption_key_file:
+            from kvstore.sealing import load_key  # NOTE: lazy: cryptography loads only where encryption is on
+            load_key(self.encryption_key_file)  # raises ValueError naming the file and the allowed forms
         for name in self.write_through:
             _require(name in TIER_ORDER[1:], f"write_through entries must be in {TIER_ORDER[1:]}, got {name!r}")
             _require(getattr(self, name) is not None, f"write_through names {name!r} but store.{name} is not set")

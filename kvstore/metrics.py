@@ -26,6 +26,7 @@ COUNTERS = {
     "checksum_failures": "Stored copies that failed codec verification and were deleted",
     "dropped": "Background writes for the tier dropped because the queue was full",
     "skipped": "Calls skipped while the tier was in backoff",
+    "quota_refused": "Writes refused because they would take a namespace past its byte quota",
 }
 
 

@@ -26,6 +26,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 from kvstore import codec
 from kvstore.config import StoreConfig
 from kvstore.hashing import BlockHash
+from kvstore.sealing import SealedTier, Sealer, load_key
 from kvstore.store_events import EventSink
 from kvstore.store_policy import TierHealth
 from kvstore.tiers.base import TIER_REGISTRY, Tier, TierFull, TierStats, TierUnavailable
@@ -71,6 +72,7 @@ class TieredStore:
         self.config = config
         self._tiers = tiers if tiers is not None else {n: build_tier(n, config.tier_options(n))
                                                         for n in config.tier_names()}
+        self._tiers = _sealed(self._tiers, config.encryption_key_file)
         self._names = list(self._tiers)
         if not self._names or self._names[0] != "host":
             raise ValueError(f"the first tier must be 'host', got {self._names}")
@@ -86,6 +88,8 @@ class TieredStore:
             tier.eviction_wants_data = self._below(name) is not None and (
                 config.demotion == "next" or bool(config.write_through))
             tier.eviction_listener = lambda key, data, name=name: self._on_evict(name, key, data)
+            if isinstance(tier, SealedTier):  # a copy that does not open was counted and deleted by the tier
+                tier.bad_copy_listener = lambda key, name=name: self._events.removed(name, [key])
         self._writer = WriteBehind(self._read_back, self._write_tier, self._dropped,
                                    max_entries=config.max_pending_writes, max_data_entries=config.queue_depth,
                                    retry_s=config.backoff_initial_s, max_attempts=config.write_attempts,
@@ -414,6 +418,14 @@ def _lookup_stages(names: list[str]) -> list[tuple[str, ...]]:
     stages = [(n,) for n in names if n not in SHARED_TIERS]
     shared = tuple(n for n in names if n in SHARED_TIERS)
     return stages + ([shared] if shared else [])
+
+
+def _sealed(tiers: dict[str, Tier], key_file: str) -> dict[str, Tier]:
+    """With a key file, every tier but host seals its objects at rest (kvstore/sealing.py)."""
+    if not key_file:
+        return tiers
+    sealer = Sealer(load_key(key_file))
+    return {n: t if n == "host" or isinstance(t, SealedTier) else SealedTier(t, sealer) for n, t in tiers.items()}
 
 
 def _checked_block(key: BlockHash, data: bytes | memoryview) -> bytes | memoryview:

@@ -23,6 +23,7 @@ _COUNTERS = (
     ("demotions", "Blocks moved down on eviction"), ("errors", "Failed tier operations"),
     ("checksum_failures", "Blocks rejected by the codec's checksum (recomputed instead)"),
     ("dropped", "Background writes into the tier that could not be written (counted, never silent)"),
+    ("quota_refused", "Writes a shared tier refused: they would take a namespace past its byte quota"),
 )
 _GAUGES = (
     ("capacity_bytes", "Configured capacity"), ("used_bytes", "Bytes held"), ("blocks", "Blocks held"),

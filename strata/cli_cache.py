@@ -1,6 +1,7 @@
 """Operator commands (issue 5 item 7): `strata cache stats|evict|flush` and `strata workers`.
 
-Each talks to the router's gRPC API (`--router`, or `STRATA_ROUTER`, default 127.0.0.1:50051).
+Each talks to the router's gRPC API (`--router`, or `STRATA_ROUTER`, default 127.0.0.1:50051), with `--api-key` (or
+`STRATA_API_KEY`) when the router has API keys.
 
     strata cache stats [--worker W] [--tier T] [--json] [--watch SECONDS]
     strata cache evict [--worker W] [--tier T] (--bytes N | --hash HEX ... | --hashes-from FILE) [--demote]
@@ -23,6 +24,7 @@ cache_app = typer.Typer(help="Inspect and administer the KV-cache tiers of every
                         add_completion=False)
 
 _ROUTER_HELP = "router gRPC address (default: $STRATA_ROUTER or 127.0.0.1:50051)"
+_API_KEY_HELP = "the router's API key, when it has any (default: $STRATA_API_KEY)"
 _STATES = {0: "unspecified", 1: "ready", 2: "draining", 3: "dead"}
 _ROLES = {0: "unspecified", 1: "prefill", 2: "decode", 3: "both"}
 
@@ -43,9 +45,9 @@ def evict_timeout_s(num_hashes: int) -> float:
     return 60.0 + 0.02 * num_hashes
 
 
-def _client(router: Optional[str], timeout_s: float = 10.0):
+def _client(router: Optional[str], timeout_s: float = 10.0, api_key: Optional[str] = None):
     from strata.client import StrataClient
-    return StrataClient(router, timeout_s=timeout_s)
+    return StrataClient(router, timeout_s=timeout_s, api_key=api_key)
 
 
 def _fail(exc: Exception, router: Optional[str]) -> None:
@@ -54,7 +56,8 @@ def _fail(exc: Exception, router: Optional[str]) -> None:
 
     if isinstance(exc, grpc.RpcError):
         where = router or default_address()
-        hint = " (is `strata serve` running?)" if exc.code() == grpc.StatusCode.UNAVAILABLE else ""
+        hint = {grpc.StatusCode.UNAVAILABLE: " (is `strata serve` running?)",
+                grpc.StatusCode.UNAUTHENTICATED: " (pass --api-key or set STRATA_API_KEY)"}.get(exc.code(), "")
         typer.echo(f"error: {exc.code().name} from the router at {where}{hint}: {exc.details()}", err=True)
         raise typer.Exit(1)
     raise exc
@@ -82,7 +85,7 @@ def tier_dict(tier) -> dict[str, Any]:
 def stats_dict(workers: Iterable, router: str) -> dict[str, Any]:
     rows = []
     totals = {k: 0 for k in ("hit_blocks", "miss_blocks", "hit_tokens", "miss_tokens", "bytes_read",
-                             "bytes_written", "evictions", "promotions", "errors", "dropped")}
+                             "bytes_written", "evictions", "promotions", "errors", "dropped", "quota_refused")}
     for w in workers:
         tiers = [tier_dict(t) for t in w.tiers]
         for t in tiers:
@@ -115,7 +118,7 @@ def stats_table(data: dict[str, Any]):
     table = Table(title=f"KV cache tiers (router {data['router']})", title_justify="left",
                   caption=f"pending background writes: {pending or '-'}", caption_justify="left")
     columns = ("worker", "tier", "capacity", "used", "blocks", "hit% blk", "hit% tok", "in", "out", "evict",
-               "promo", "errors", "dropped", "get p50/p99 ms", "put p50/p99 ms", "healthy")
+               "promo", "errors", "dropped", "quota refused", "get p50/p99 ms", "put p50/p99 ms", "healthy")
     for col in columns:
         table.add_column(col, justify="left" if col in ("worker", "tier") else "right")
     for w in data["workers"]:
@@ -127,7 +130,7 @@ def stats_table(data: dict[str, Any]):
                 w["worker_id"], t["tier"] + (" (shared)" if t["shared"] else ""), _size(t["capacity_bytes"]),
                 _size(t["used_bytes"]), str(t["blocks"]), _pct(t["hit_rate_blocks"]), _pct(t["hit_rate_tokens"]),
                 _size(t["bytes_written"]), _size(t["bytes_read"]), str(t["evictions"]), str(t["promotions"]),
-                str(t["errors"] + t["checksum_failures"]), str(t["dropped"]),
+                str(t["errors"] + t["checksum_failures"]), str(t["dropped"]), str(t["quota_refused"]),
                 f"{t['get_latency_p50_ms']:.2f}/{t['get_latency_p99_ms']:.2f}",
                 f"{t['put_latency_p50_ms']:.2f}/{t['put_latency_p99_ms']:.2f}",
                 "yes" if t["healthy"] else "[red]no[/red]")
@@ -137,15 +140,17 @@ def stats_table(data: dict[str, Any]):
 @cache_app.command("stats")
 def stats(
     router: Optional[str] = typer.Option(None, "--router", help=_ROUTER_HELP),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="STRATA_API_KEY", help=_API_KEY_HELP),
     worker: list[str] = typer.Option([], "--worker", help="only this worker (repeatable)"),
     tier: str = typer.Option("", "--tier", help="only this tier: device, host, disk, redis, s3"),
     as_json: bool = typer.Option(False, "--json", help="print JSON (one object; one line per refresh with --watch)"),
     watch: Optional[float] = typer.Option(None, "--watch", help="refresh every SECONDS until Ctrl-C"),
 ) -> None:
     """Per worker and tier: capacity, used, blocks, hit rates, bytes in/out, evictions, promotions, errors,
-    dropped background writes, latency percentiles; per worker: background writes pending."""
+    dropped background writes, writes refused by a namespace's quota (shared tiers), latency percentiles; per
+    worker: background writes pending."""
     console = _console()
-    with _client(router) as client:
+    with _client(router, api_key=api_key) as client:
         def snapshot() -> dict[str, Any]:
             try:
                 return stats_dict(client.cache_stats(worker, tier), client.address)
@@ -228,6 +233,7 @@ def _read_text(path: str) -> str:
 @cache_app.command("evict")
 def evict(
     router: Optional[str] = typer.Option(None, "--router", help=_ROUTER_HELP),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="STRATA_API_KEY", help=_API_KEY_HELP),
     worker: str = typer.Option("", "--worker", help="only this worker (default: every worker)"),
     tier: str = typer.Option("", "--tier", help="only this tier (default: every local tier; redis/s3 only when "
                                                 "named)"),
@@ -246,7 +252,7 @@ def evict(
     if bool(num_bytes) == bool(hashes):
         typer.echo("error: give exactly one of --bytes N and --hash HEX / --hashes-from FILE", err=True)
         raise typer.Exit(2)
-    with _client(router, timeout or evict_timeout_s(len(hashes))) as client:
+    with _client(router, timeout or evict_timeout_s(len(hashes)), api_key) as client:
         try:
             results = client.evict_cache(worker, tier, hashes, num_bytes, demote)
         except Exception as exc:  # noqa: BLE001
@@ -257,6 +263,7 @@ def evict(
 @cache_app.command("flush")
 def flush(
     router: Optional[str] = typer.Option(None, "--router", help=_ROUTER_HELP),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="STRATA_API_KEY", help=_API_KEY_HELP),
     worker: str = typer.Option("", "--worker", help="only this worker (default: every worker)"),
     tier: str = typer.Option("", "--tier", help="only this tier (default: every local tier; redis/s3 only when "
                                                 "named)"),
@@ -270,7 +277,7 @@ def flush(
         what = f"the shared {tier} tier (every worker's blocks)"
     if not yes and sys.stdin.isatty() and not typer.confirm(f"Flush {what}?"):
         raise typer.Exit(1)
-    with _client(router, timeout) as client:
+    with _client(router, timeout, api_key) as client:
         try:
             results = client.flush_cache(worker, tier)
         except Exception as exc:  # noqa: BLE001
@@ -308,6 +315,7 @@ def _speculative_cell(spec: dict[str, Any] | None) -> str:
 
 def workers(
     router: Optional[str] = typer.Option(None, "--router", help=_ROUTER_HELP),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="STRATA_API_KEY", help=_API_KEY_HELP),
     role: Optional[str] = typer.Option(None, "--role", help="only prefill or decode workers"),
     include_dead: bool = typer.Option(False, "--all", help="also list dead workers"),
     as_json: bool = typer.Option(False, "--json"),
@@ -315,7 +323,7 @@ def workers(
     """The workers registered with the router: role, state, address, load, tiers, speculative decoding."""
     from rich.table import Table
 
-    with _client(router) as client:
+    with _client(router, api_key=api_key) as client:
         try:
             rows = [worker_dict(w) for w in client.workers(role, include_dead)]
         except Exception as exc:  # noqa: BLE001

@@ -57,6 +57,7 @@ def store_tier_stats(name: str, entry: dict, block_size: int) -> common_pb2.Cach
         bytes_read=entry["bytes_read"], bytes_written=entry["bytes_written"], evictions=entry["evictions"],
         promotions=entry["promotions"], demotions=entry["demotions"], errors=entry["errors"],
         checksum_failures=entry["checksum_failures"], dropped=entry.get("dropped", 0),
+        quota_refused=entry.get("quota_refused", 0),
         get_latency_p50_ms=latency_quantile_ms(get_counts, 0.5),
         get_latency_p99_ms=latency_quantile_ms(get_counts, 0.99),
         put_latency_p50_ms=latency_quantile_ms(put_counts, 0.5),

@@ -13,6 +13,7 @@ their arguments, before any process starts, rather than a worker failing after l
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from typing import Any
 from urllib.parse import urlparse
 
@@ -48,11 +49,11 @@ def s3_config(url: str) -> S3TierConfig:
 
 def store_config(config: WorkerConfig) -> StoreConfig:
     disk = DiskTierConfig(path=config.disk_path) if config.disk_path else None
-    redis = RedisTierConfig(url=config.redis_url) if config.redis_url else None
-    s3 = s3_config(config.s3_url) if config.s3_url else None
+    redis = RedisTierConfig(url=config.redis_url, quota_bytes=config.tier_quota_bytes) if config.redis_url else None
+    s3 = replace(s3_config(config.s3_url), quota_bytes=config.tier_quota_bytes) if config.s3_url else None
     write_through = tuple(name for name, tier in (("disk", disk), ("redis", redis), ("s3", s3)) if tier is not None)
     return StoreConfig(host=HostTierConfig(capacity_bytes=config.host_tier_bytes), disk=disk, redis=redis, s3=s3,
-                       write_through=write_through)
+                       write_through=write_through, encryption_key_file=config.kv_encryption_key_file)
 
 
 def build_store(config: WorkerConfig, publisher: Any | None = None) -> TieredStore:

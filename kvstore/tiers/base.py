@@ -18,6 +18,9 @@ Contracts every implementation keeps:
 - Counting: a tier counts hits, misses, bytes, evictions and errors; the store counts promotions and demotions (on
   the tier the block moves INTO), checksum failures (on the tier that held the bad copy), dropped background writes
   and calls skipped while the tier was unhealthy.
+- A shared tier with a byte quota per namespace (`quota_bytes`) answers False from `put` for a block that would take
+  its namespace (the fingerprint at offset 12 of the object, `kvstore.sealing.fingerprint_of`) past the quota, and
+  counts it in `quota_refused`; deletes give the bytes back.
 """
 from __future__ import annotations
 
@@ -62,6 +65,7 @@ class TierStats:
     checksum_failures: int = 0
     dropped: int = 0
     skipped: int = 0
+    quota_refused: int = 0  # writes a shared tier refused: they would take a namespace past its byte quota
     healthy: bool = True
     get_latency_counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
     put_latency_counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))

@@ -10,6 +10,9 @@ server costs about `connect_timeout_s` (refused: far less) and a frozen one abou
 hang. Any Redis failure raises `TierUnavailable`; a Redis that is out of memory (maxmemory with noeviction)
 refuses a put with `TierFull`.
 
+`quota_bytes` > 0 caps the bytes of each namespace (the fingerprint in every object's header) under this key base,
+counted in Redis itself by Lua scripts so several workers share one quota (redis_quota.py, with its limits).
+
 Used bytes are what this process has seen: the sizes of keys it stored or read, forgotten when it sees them gone.
 Redis itself may hold more (other workers' blocks) or less (TTL expiry, Redis eviction); `scan_usage()` walks the
 key space for the true figure when an operator asks.
@@ -26,6 +29,8 @@ from redis.cluster import RedisCluster
 from redis.retry import Retry
 
 from kvstore.hashing import BlockHash, Namespace
+from kvstore.sealing import fingerprint_of
+from kvstore.tiers import redis_quota
 from kvstore.tiers.base import Tier, TierFull, TierStats, TierUnavailable, register_tier
 from kvstore.tiers.resp import BufferTooSmall, RespConnectionError, RespPool, RespReplyError
 
@@ -67,14 +72,18 @@ class RedisTier(Tier):
         max_connections: int = 32,
         batch_size: int = 128,
         batch_bytes: int = 64 << 20,
+        quota_bytes: int = 0,
     ) -> None:
         super().__init__()
+        if quota_bytes < 0 or (quota_bytes and cluster):
+            raise ValueError(f"quota_bytes must be >= 0 (0 = none) and needs cluster=False, got {quota_bytes}")
         self._check_args(url, ttl_s, socket_timeout_s, connect_timeout_s, retries, batch_size, capacity_bytes)
         # One round trip carries at most batch_size keys and (for get/put) about batch_bytes of values, so a
         # batch of large blocks never becomes one giant reply buffered whole in both processes.
         self.url, self.cluster, self.batch_size, self.batch_bytes = url, cluster, batch_size, batch_bytes
         self.ttl_ms = int(ttl_s * 1000) if ttl_s else None
         self.key_base = f"{key_prefix.rstrip(':')}:{namespace_tag(namespace)}:"
+        self.quota_bytes = quota_bytes  # per namespace fingerprint (redis_quota.py); 0 = none
         self._sizes: dict[bytes, int] = {}  # block hash -> object size, for the blocks this process has seen
         self._sizes_lock = threading.Lock()
         self._stats.capacity_bytes = capacity_bytes
@@ -141,22 +150,31 @@ class RedisTier(Tier):
 
     def put(self, items: Sequence[tuple[BlockHash, bytes | memoryview]]) -> list[bool]:
         started = time.perf_counter()
+        stored: list[bool] = []
         for chunk in _chunks(items, self.batch_size, [len(d) for _, d in items], self.batch_bytes):
-            self._store(chunk)
+            stored.extend(self._store(chunk))
         with self._sizes_lock:
-            for k, data in items:
-                self._sizes[bytes(k)] = len(data)
-        self._observe("put", started, bytes_written=sum(len(d) for _, d in items))
-        return [True] * len(items)
+            for (k, data), ok in zip(items, stored):
+                if ok:
+                    self._sizes[bytes(k)] = len(data)
+        self._observe("put", started, bytes_written=sum(len(d) for (_, d), ok in zip(items, stored) if ok),
+                      quota_refused=len(stored) - sum(stored))
+        return stored
 
     def delete(self, keys: Sequence[BlockHash]) -> int:
         """UNLINK `keys`, one round trip per `_UNLINK_BATCH` keys; how many Redis actually held (a key another
         worker removed first, or that expired, is not counted)."""
         removed = 0
+        unlink = self._unlink_counted if self.quota_bytes else self._unlink
         for chunk in _chunks(keys, _UNLINK_BATCH):
-            removed += self._unlink("delete", [self.key(k) for k in chunk])
+            removed += unlink("delete", [self.key(k) for k in chunk])
         self._forget(keys)
         return removed
+
+    def namespace_usage(self, fingerprint: bytes) -> int:
+        """Bytes the quota counter in Redis charges to `fingerprint`'s namespace (0 when it has none)."""
+        (used,) = self._pipeline("usage", [("GET", redis_quota.usage_key(self.key_base, fingerprint))])
+        return int(used or 0)
 
     def clear(self) -> int:
         """UNLINK every key under this tier's prefix and namespace (SCAN, never KEYS or FLUSHDB), one round trip per
@@ -175,6 +193,16 @@ class RedisTier(Tier):
         with self._sizes_lock:
             self._sizes.clear()
         return removed
+
+    def _unlink_counted(self, what: str, names: list[bytes]) -> int:
+        """UNLINK with quota: read each block's namespace (GETRANGE), then unlink and give its bytes back
+        atomically (redis_quota.DELETE_SCRIPT); two round trips."""
+        if not names:
+            return 0
+        fingerprints = self._pipeline(what, [("GETRANGE", n, *redis_quota.FINGERPRINT_RANGE) for n in names])
+        todo = [(n, fp) for n, fp in zip(names, fingerprints) if len(fp) == 16]
+        commands = [redis_quota.delete_command(n, redis_quota.usage_key(self.key_base, fp), fp) for n, fp in todo]
+        return sum(self._pipeline(what, commands)) if commands else 0
 
     def _unlink(self, what: str, names: list[bytes]) -> int:
         """One round trip: a multi-key UNLINK on one server; on a cluster, where a command cannot cross slots, a
@@ -199,7 +227,8 @@ class RedisTier(Tier):
     def scan_usage(self) -> tuple[int, int]:
         """(blocks, bytes) actually under this prefix and namespace in Redis, by SCAN + pipelined STRLEN."""
         try:
-            keys = list(self._scan())
+            counters = (self.key_base + redis_quota.QUOTA_TAG).encode()
+            keys = [k for k in self._scan() if not k.startswith(counters)]
         except redis.RedisError as exc:
             raise self._unavailable("scan", exc) from exc
         sizes = []
@@ -242,7 +271,13 @@ class RedisTier(Tier):
         self._mark_healthy()
         return lengths
 
-    def _store(self, chunk: Sequence[tuple[BlockHash, bytes | memoryview]]) -> None:
+    def _store(self, chunk: Sequence[tuple[BlockHash, bytes | memoryview]]) -> list[bool]:
+        """One pipelined round trip; which blocks are stored (False: refused by the namespace's quota)."""
+        if self.quota_bytes:
+            replies = self._pipeline("put", [redis_quota.put_command(
+                self.key(k), redis_quota.usage_key(self.key_base, fingerprint_of(d)), d, self.quota_bytes,
+                self.ttl_ms) for k, d in chunk])
+            return [bool(r) for r in replies]
         expiry = ("PX", self.ttl_ms) if self.ttl_ms else ()
         # NOTE: redis-py sends a large bytes/memoryview argument as its own buffer, without copying it.
         stored = self._pipeline("put", [("SET", self.key(k), d, "NX", *expiry) for k, d in chunk])
@@ -251,6 +286,7 @@ class RedisTier(Tier):
             again = [k for (k, _), ok in zip(chunk, stored) if not ok]
             if again:
                 self._pipeline("put", [("PEXPIRE", self.key(k), self.ttl_ms) for k in again])
+        return [True] * len(chunk)
 
     def _scan(self) -> Iterator[bytes]:
         return self._client.scan_iter(match=self.key_base.encode() + b"*", count=_SCAN_COUNT)

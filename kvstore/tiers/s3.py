@@ -36,6 +36,10 @@ kvstore/tiers/s3_pack.py; this module does the I/O:
 Reads stream the body straight into the caller's buffer (`readinto`); writes at or above
 `multipart_threshold_bytes` go up as a multipart upload with parts sent in parallel.
 
+`quota_bytes` > 0 (pack layout): each namespace (the fingerprint in every object's header) may hold that many bytes
+of packs; a put past it is refused and counted (`quota_refused`). Packs then hold one namespace each and carry its
+fingerprint in their name, so the count comes from the index (see `_admit` for its limit).
+
 Both layouts: botocore retries (`max_attempts`, standard mode) and timeouts bound every call; every failure but
 "not found" raises `TierUnavailable`. A missing bucket holds nothing for `contains` (as HEAD cannot tell it from
 a missing key), while `get` and `put` raise.
@@ -55,6 +59,7 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from kvstore.hashing import HASH_BYTES, BlockHash, Namespace
+from kvstore.sealing import fingerprint_of
 from kvstore.tiers.base import Tier, TierStats, TierUnavailable, register_tier
 from kvstore.tiers.redis import namespace_tag
 from kvstore.tiers.s3_pack import (PACKS, TOMBSTONES, PackIndex, PackRange, decode_pack_tail, decode_tombstone,
@@ -104,8 +109,12 @@ class S3Tier(Tier):
         read_timeout_s: float = 10.0,
         max_attempts: int = 2,
         capacity_bytes: int = 0,
+        quota_bytes: int = 0,
     ) -> None:
         super().__init__()
+        if quota_bytes < 0 or (quota_bytes and layout != "pack"):
+            raise ValueError(f"quota_bytes must be >= 0 (0 = none) and needs layout='pack', got {quota_bytes}")
+        self.quota_bytes = quota_bytes  # per namespace fingerprint; see `_admit`
         _check_args(bucket, layout, lookup, multipart_threshold_bytes, multipart_part_bytes, max_workers,
                     max_attempts, index_refresh_s, refresh_budget_s)
         self.bucket, self.layout, self.lookup = bucket, layout, lookup
@@ -184,12 +193,16 @@ class S3Tier(Tier):
 
     def put(self, items: Sequence[tuple[BlockHash, bytes | memoryview]]) -> list[bool]:
         started = time.perf_counter()
-        if self.layout == "pack":
+        refused: set[bytes] = set()
+        if self.layout == "pack" and self.quota_bytes:
+            admitted, refused = self._admit(items)
+            written = sum(self._put_packed(group, ns) for ns, group in _by_namespace(admitted).items())
+        elif self.layout == "pack":
             written = self._put_packed(items)
         else:
             written = self._put_blocks(items)
-        self._observe("put", started, bytes_written=written)
-        return [True] * len(items)
+        self._observe("put", started, bytes_written=written, quota_refused=len(refused))
+        return [bytes(k) not in refused for k, _ in items]
 
     def delete(self, keys: Sequence[BlockHash]) -> int:
         if self.layout == "pack":
@@ -279,7 +292,29 @@ class S3Tier(Tier):
             body.close()
         return True
 
-    def _put_packed(self, items: Sequence[tuple[BlockHash, bytes | memoryview]]) -> int:
+    def _admit(self, items: Sequence[tuple[BlockHash, bytes | memoryview]]
+               ) -> tuple[list[tuple[BlockHash, bytes | memoryview]], set[bytes]]:
+        """Quota: the items that fit their namespace's quota, and the keys refused. A namespace's usage is the bytes
+        of the packs named after it in the index: every process's packs as of the last LIST (refreshed every
+        `index_refresh_s`) plus this process's since. NOTE: so processes writing between two refreshes can
+        together overshoot by what they write in that window; a tombstoned block counts until its pack goes."""
+        self._refresh_if_stale()
+        admitted, refused = [], set()
+        with self._lock:
+            usage: dict[str, int] = {}
+            for key, pack in self._packs.packs.items():
+                if ns := _pack_namespace(key):
+                    usage[ns] = usage.get(ns, 0) + pack.size
+            for key, data in items:
+                ns, size = fingerprint_of(data).hex(), memoryview(data).nbytes
+                if self._packs.find(bytes(key)) is None and usage.get(ns, 0) + size > self.quota_bytes:
+                    refused.add(bytes(key))
+                    continue
+                usage[ns] = usage.get(ns, 0) + size
+                admitted.append((key, data))
+        return admitted, refused
+
+    def _put_packed(self, items: Sequence[tuple[BlockHash, bytes | memoryview]], namespace: str = "") -> int:
         fresh: dict[bytes, memoryview] = {}
         with self._lock:
             for key, data in items:
@@ -291,7 +326,9 @@ class S3Tier(Tier):
         if not fresh:
             return 0
         body, spans = encode_pack(list(fresh.items()))
-        name = f"{self.key_base}{PACKS}{spans[0][0].hex()}-{len(spans)}-{os.urandom(8).hex()}"
+        # NOTE: with a quota, a pack holds one namespace and is named `<fingerprint hex>.<first hash>-...`
+        owner = f"{namespace}." if namespace else ""
+        name = f"{self.key_base}{PACKS}{owner}{spans[0][0].hex()}-{len(spans)}-{os.urandom(8).hex()}"
         self._put_object(name, body)
         with self._lock:
             self._packs.add_pack(name, len(body), spans, born=time.monotonic())
@@ -605,6 +642,19 @@ def _check_args(bucket: str, layout: str, lookup: str, threshold: int, part: int
         raise ValueError(f"index_refresh_s must be >= 0 (0 = refresh on every lookup), got {refresh_s}")
     if budget_s <= 0:
         raise ValueError(f"refresh_budget_s must be > 0, got {budget_s}")
+
+
+def _pack_namespace(key: str) -> str:
+    """The namespace (fingerprint hex) a pack's name carries, '' when none (written without a quota)."""
+    head, dot, _ = key.rsplit("/", 1)[-1].partition(".")
+    return head if dot else ""
+
+
+def _by_namespace(items: Sequence[tuple[BlockHash, bytes | memoryview]]) -> dict[str, list]:
+    groups: dict[str, list] = {}
+    for key, data in items:
+        groups.setdefault(fingerprint_of(data).hex(), []).append((key, data))
+    return groups
 
 
 def _code(exc: ClientError) -> str:

@@ -213,7 +213,7 @@ class KvHandle(_message.Message):
     def __init__(self, namespace_fingerprint: _Optional[bytes] = ..., block_size: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockLocation, _Mapping]]] = ..., lease_id: _Optional[str] = ..., lease_deadline_unix_ms: _Optional[int] = ..., lease_worker_address: _Optional[str] = ..., tail: _Optional[_Union[BlockLocation, _Mapping]] = ..., tail_tokens: _Optional[int] = ..., agent_metadata: _Optional[bytes] = ...) -> None: ...
 
 class CacheTierStats(_message.Message):
-    __slots__ = ("tier", "shared", "capacity_bytes", "used_bytes", "blocks", "hit_blocks", "miss_blocks", "hit_tokens", "miss_tokens", "bytes_read", "bytes_written", "evictions", "promotions", "demotions", "errors", "checksum_failures", "get_latency_p50_ms", "get_latency_p99_ms", "put_latency_p50_ms", "put_latency_p99_ms", "healthy", "dropped")
+    __slots__ = ("tier", "shared", "capacity_bytes", "used_bytes", "blocks", "hit_blocks", "miss_blocks", "hit_tokens", "miss_tokens", "bytes_read", "bytes_written", "evictions", "promotions", "demotions", "errors", "checksum_failures", "get_latency_p50_ms", "get_latency_p99_ms", "put_latency_p50_ms", "put_latency_p99_ms", "healthy", "dropped", "quota_refused")
     TIER_FIELD_NUMBER: _ClassVar[int]
     SHARED_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -236,6 +236,7 @@ class CacheTierStats(_message.Message):
     PUT_LATENCY_P99_MS_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
+    QUOTA_REFUSED_FIELD_NUMBER: _ClassVar[int]
     tier: str
     shared: bool
     capacity_bytes: int
@@ -258,7 +259,8 @@ class CacheTierStats(_message.Message):
     put_latency_p99_ms: float
     healthy: bool
     dropped: int
-    def __init__(self, tier: _Optional[str] = ..., shared: _Optional[bool] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., miss_tokens: _Optional[int] = ..., bytes_read: _Optional[int] = ..., bytes_written: _Optional[int] = ..., evictions: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., errors: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., get_latency_p50_ms: _Optional[float] = ..., get_latency_p99_ms: _Optional[float] = ..., put_latency_p50_ms: _Optional[float] = ..., put_latency_p99_ms: _Optional[float] = ..., healthy: _Optional[bool] = ..., dropped: _Optional[int] = ...) -> None: ...
+    quota_refused: int
+    def __init__(self, tier: _Optional[str] = ..., shared: _Optional[bool] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., miss_tokens: _Optional[int] = ..., bytes_read: _Optional[int] = ..., bytes_written: _Optional[int] = ..., evictions: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., errors: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., get_latency_p50_ms: _Optional[float] = ..., get_latency_p99_ms: _Optional[float] = ..., put_latency_p50_ms: _Optional[float] = ..., put_latency_p99_ms: _Optional[float] = ..., healthy: _Optional[bool] = ..., dropped: _Optional[int] = ..., quota_refused: _Optional[int] = ...) -> None: ...
 
 class WorkerCacheStats(_message.Message):
     __slots__ = ("worker_id", "tiers", "collected_at_unix_ms", "error", "pending_writes")

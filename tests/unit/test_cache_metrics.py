@@ -11,7 +11,8 @@ def test_tiers_become_labelled_counters_and_gauges_and_silent_workers_count_as_e
     stats = common_pb2.WorkerCacheStats(worker_id="d0", pending_writes=5, tiers=[
         common_pb2.CacheTierStats(tier="host", capacity_bytes=1024, used_bytes=512, blocks=2, hit_blocks=7,
                                   hit_tokens=112, get_latency_p99_ms=0.5, healthy=True),
-        common_pb2.CacheTierStats(tier="redis", shared=True, miss_blocks=3, errors=1, dropped=4, healthy=False)])
+        common_pb2.CacheTierStats(tier="redis", shared=True, miss_blocks=3, errors=1, dropped=4,
+                                  quota_refused=6, healthy=False)])
     registry = CollectorRegistry()
     registry.register(CacheTierCollector(lambda: [("d0", stats), ("p0", None)]))
     generate_latest(registry)
@@ -25,6 +26,7 @@ def test_tiers_become_labelled_counters_and_gauges_and_silent_workers_count_as_e
                  'strata_cache_errors_total{tier="redis",worker="d0"} 1.0',
                  'strata_cache_healthy{tier="redis",worker="d0"} 0.0',
                  'strata_cache_dropped_total{tier="redis",worker="d0"} 4.0',
+                 'strata_cache_quota_refused_total{tier="redis",worker="d0"} 6.0',
                  'strata_cache_pending_writes{worker="d0"} 5.0',
                  'strata_cache_scrape_errors_total{worker="p0"} 3.0']:
         assert line in text, line

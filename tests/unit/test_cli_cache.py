@@ -31,6 +31,18 @@ def test_stats_carry_dropped_per_tier_and_pending_writes_per_worker():
     assert "dropped" in text and "pending background writes: prefill-0 3, decode-0 0" in text
 
 
+def test_stats_carry_quota_refused_per_tier_and_in_the_totals():
+    workers = [common_pb2.WorkerCacheStats(worker_id=w, tiers=[
+        common_pb2.CacheTierStats(tier="host", healthy=True),
+        common_pb2.CacheTierStats(tier="redis", shared=True, quota_refused=n, healthy=True)]) for w, n in
+        (("prefill-0", 4), ("decode-0", 1))]
+    data = stats_dict(workers, "r:1")
+    assert [[t["quota_refused"] for t in w["tiers"]] for w in data["workers"]] == [[0, 4], [0, 1]]
+    assert data["totals"]["quota_refused"] == 5
+    text = render(stats_table(data))
+    assert "quota refused" in text
+
+
 def test_evict_deadline_grows_with_the_number_of_hashes():
     assert evict_timeout_s(0) == 60.0 and evict_timeout_s(2000) == 100.0
 
