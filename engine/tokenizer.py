@@ -72,12 +72,44 @@ class Tokenizer:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The checkpoint's template rendered in a sandbox (a checkpoint's template is code from whoever published
+        it). ChatTemplateError when it fails or reaches for what the sandbox forbids (`__class__`, `__globals__`,
+        ...)."""
         if not self.chat_template:
             raise ValueError("this checkpoint's tokenizer_config.json has no chat_template; send a plain prompt")
         import jinja2
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-        template = env.from_string(self.chat_template)
+
         tok = self.backend
-        return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                               bos_token=tok.id_to_token(self.bos_token_id) if self.bos_token_id is not None else "",
-                               eos_token=tok.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else "")
+        bos = tok.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
+        eos = tok.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else ""
+        try:
+            template = _sandbox().from_string(self.chat_template)
+            return template.render(messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos,
+                                   eos_token=eos)
+        except jinja2.exceptions.SecurityError as exc:
+            raise ChatTemplateError(f"the chat template was stopped by the sandbox: {exc}") from None
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(f"the chat template failed: {exc}") from None
+
+
+class ChatTemplateError(ValueError):
+    """A chat template that does not render: a syntax error, `raise_exception(...)`, or an unsafe operation."""
+
+
+def _sandbox():
+    """Jinja's immutable sandbox, as Hugging Face renders chat templates (with its `raise_exception`); an unsafe
+    attribute fails at once, where Jinja's default would render it as an empty string."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class ChatSandbox(ImmutableSandboxedEnvironment):
+        def unsafe_undefined(self, obj: Any, attribute: str) -> Any:
+            raise jinja2.exceptions.SecurityError(f"access to attribute {attribute!r} of a "
+                                                  f"{type(obj).__name__!r} object is unsafe")
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.TemplateError(message)
+
+    env = ChatSandbox(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    return env

@@ -12,11 +12,11 @@ from typing import Sequence
 from engine.checkpoint import load_checkpoint
 from engine.config import CacheConfig, kv_storage_dtype, quantization_label
 from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import ChatTemplateError, Tokenizer
 from kvstore import codec
 from kvstore.hashing import Namespace
 from router.cost_model import CostModelConfig
-from router.validation import GenerateParams, ModelLimits
+from router.validation import GenerateParams, ModelLimits, invalid
 from strata.v1 import common_pb2
 
 @dataclass(frozen=True)
@@ -75,9 +75,13 @@ class ServedModel:
             block_size=self.block_size))
 
     def render_chat(self, messages: Sequence[dict]) -> str:
-        """The checkpoint's chat template, or a plain `role: content` transcript when it has none."""
+        """The checkpoint's chat template, or a plain `role: content` transcript when it has none. A template that
+        fails (its `raise_exception`, or the sandbox stopping it) is the request's INVALID_ARGUMENT, not a crash."""
         if self.tokenizer.chat_template:
-            return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
+            try:
+                return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
+            except ChatTemplateError as exc:
+                raise invalid("messages", f"messages: model {self.id!r}: {exc}") from None
         return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
 
     def tokenize(self, params: GenerateParams) -> list[int]:

@@ -15,8 +15,10 @@ from typing import Iterator, Sequence
 import grpc
 
 from strata.v1 import common_pb2, router_pb2, router_pb2_grpc, strata_pb2, strata_pb2_grpc
+from worker_common.grpc_auth import SECRET_METADATA, attach_metadata
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
+API_KEY_ENV = "STRATA_API_KEY"
 _ROLES = {"prefill": common_pb2.WORKER_ROLE_PREFILL, "decode": common_pb2.WORKER_ROLE_DECODE,
           "both": common_pb2.WORKER_ROLE_BOTH}
 
@@ -69,12 +71,20 @@ def sampling(max_tokens: int | None = None, temperature: float = 0.0, top_p: flo
 
 
 class StrataClient:
-    def __init__(self, address: str | None = None, timeout_s: float = 60.0) -> None:
+    def __init__(self, address: str | None = None, timeout_s: float = 60.0, api_key: str | None = None,
+                 cluster_secret: str = "", credentials: grpc.ChannelCredentials | None = None) -> None:
+        """`api_key`: sent as `authorization: Bearer KEY` on every call (None: `$STRATA_API_KEY`, if set);
+        `cluster_secret`: the fleet secret, for the Registry calls (`drain`) of a router that has one;
+        `credentials`: dial over TLS with these (`grpc.ssl_channel_credentials`; None: plain text)."""
         self.address = address or default_address()
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(self.address)
-        self.stub = strata_pb2_grpc.StrataStub(self._channel)
-        self.registry = router_pb2_grpc.RegistryStub(self._channel)
+        key = os.environ.get(API_KEY_ENV, "") if api_key is None else api_key
+        self._channel = (grpc.insecure_channel(self.address) if credentials is None
+                         else grpc.secure_channel(self.address, credentials))
+        bearer = f"Bearer {key}" if key else ""
+        self.stub = strata_pb2_grpc.StrataStub(attach_metadata(self._channel, [("authorization", bearer)]))
+        secret = [(SECRET_METADATA, cluster_secret)]
+        self.registry = router_pb2_grpc.RegistryStub(attach_metadata(self._channel, secret))
 
     # ---- generation -------------------------------------------------------------------------------------------
 

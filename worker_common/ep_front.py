@@ -36,6 +36,8 @@ from kvstore.hashing import hash_blocks
 from strata.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from worker_common.cache_stats import SHARED_TIERS
 from worker_common.ep_events import RankHoldings
+from worker_common.fleet_tls import NO_TLS, FleetTls
+from worker_common.grpc_auth import attach_secret
 from worker_common.server import GRPC_OPTIONS, WorkerBase
 
 log = logging.getLogger(__name__)
@@ -56,9 +58,9 @@ def affinity(token_ids: Sequence[int], num_tokens: int) -> int:
 
 
 class _Peer:
-    def __init__(self, rank: int, address: str) -> None:
+    def __init__(self, rank: int, address: str, cluster_secret: str = "", tls: FleetTls = NO_TLS) -> None:
         self.rank, self.address = rank, address
-        self.channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self.channel = attach_secret(tls.channel(address, GRPC_OPTIONS), cluster_secret)
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
 
 
@@ -73,7 +75,8 @@ class EPFront(worker_pb2_grpc.WorkerServicer):
         self.relay = None                                    # the group's `ep_events.EventRelay`, closed with us
         self.local = local
         self.world_size = 1 + len(addresses)
-        self.peers = [None] + [_Peer(r, a) for r, a in enumerate(addresses, start=1)]
+        self.peers = [None] + [_Peer(r, a, local.config.cluster_secret, local.config.fleet_tls())
+                               for r, a in enumerate(addresses, start=1)]
         self._alive = alive
         self._affinity_tokens = affinity_tokens or local.config.block_size
         self._lock = threading.Lock()

@@ -20,6 +20,8 @@ from typing import Callable
 import grpc
 
 from strata.v1 import common_pb2, router_pb2, router_pb2_grpc
+from worker_common.fleet_tls import NO_TLS, FleetTls
+from worker_common.grpc_auth import attach_secret
 
 log = logging.getLogger(__name__)
 
@@ -36,13 +38,16 @@ class RouterLink:
     def __init__(self, address: str, info: Callable[[], common_pb2.WorkerInfo],
                  load: Callable[[], common_pb2.WorkerLoad], num_published: Callable[[], int], heartbeat_s: float,
                  on_drain: Callable[[], None], idle: Callable[[], bool],
-                 speculative: Callable[[], common_pb2.SpeculativeStats | None] = lambda: None) -> None:
+                 speculative: Callable[[], common_pb2.SpeculativeStats | None] = lambda: None,
+                 cluster_secret: str = "", tls: FleetTls = NO_TLS) -> None:
         """`speculative`: the worker's speculative decoding counters for each heartbeat (None: it does not
-        speculate)."""
+        speculate). `cluster_secret`: shown on every Registry call (a router with a secret refuses calls without
+        it: UNAUTHENTICATED, retried with backoff like an unreachable router). `tls`: fleet TLS, to dial a router
+        that serves it (a handshake that fails is retried with backoff, like an unreachable router)."""
         self.address, self._info, self._load, self._num_published = address, info, load, num_published
         self._speculative = speculative
         self.heartbeat_s, self._on_drain, self._idle = heartbeat_s, on_drain, idle
-        self._channel = grpc.insecure_channel(address)
+        self._channel = attach_secret(tls.channel(address), cluster_secret)
         self._stub = router_pb2_grpc.RegistryStub(self._channel)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="router-link", daemon=True)

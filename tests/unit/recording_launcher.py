@@ -7,9 +7,11 @@ from strata.launcher import ServeConfig
 
 class RecordingLauncher:
     configs: list[ServeConfig] = []
+    envs: list[dict[str, str]] = []      # the environment each launch would hand its parts (the fleet secret)
 
-    def __init__(self, config: ServeConfig, log=None) -> None:
+    def __init__(self, config: ServeConfig, log=None, env=None) -> None:
         RecordingLauncher.configs.append(config)
+        RecordingLauncher.envs.append(dict(env or {}))
 
     def start(self):
         from strata.launcher import LaunchError

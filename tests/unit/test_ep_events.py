@@ -46,7 +46,7 @@ def test_prefix_lengths_count_leading_blocks_held_in_any_of_a_ranks_own_tiers():
 
 def make_front(holdings: RankHoldings) -> EPFront:
     bundle = SimpleNamespace(fingerprint_for=lambda salt: ROOT, block_size=BLOCK)
-    local = SimpleNamespace(bundle=bundle, config=SimpleNamespace(block_size=BLOCK), worker_id="w",
+    local = SimpleNamespace(bundle=bundle, config=SimpleNamespace(block_size=BLOCK, cluster_secret=""), worker_id="w",
                             draining=False, address="")
     return EPFront(local, ["127.0.0.1:1", "127.0.0.1:2"], holdings=holdings)
 

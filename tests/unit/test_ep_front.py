@@ -17,6 +17,7 @@ import pytest
 
 from strata.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from worker_common.ep_front import EPFront, affinity
+from worker_common.fleet_tls import FleetTls
 
 BLOCK = 4
 WORLD = 3
@@ -27,7 +28,7 @@ class ScriptedRank(worker_pb2_grpc.WorkerServicer):
 
     def __init__(self, worker_id: str) -> None:
         self.worker_id, self.address, self.draining = worker_id, "", False
-        self.config = SimpleNamespace(block_size=BLOCK)
+        self.config = SimpleNamespace(block_size=BLOCK, cluster_secret="", fleet_tls=FleetTls)  # FleetTls(): off
         self.calls: list[tuple[str, str]] = []
         self.gate = threading.Event()
         self.gate.set()
