@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 MAX_LOGPROBS = 20  # as vLLM's default max_logprobs and OpenAI's top_logprobs bound
 SPECULATIVE_CHOICES = ("off", "ngram", "draft", "eagle")   # a request's `speculative` (engine.config's methods)
+# Below these the float32 sampler overflows: a temperature is greedy, a top_p keeps the top token alone, and a
+# repetition penalty is refused (a seen token's logit divided by less is inf).
+MIN_TEMPERATURE, MIN_TOP_P, MIN_REPETITION_PENALTY = 1e-5, 1e-8, 0.01
 
 
 class RequestOutputKind(enum.Enum):
@@ -56,8 +59,14 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not (0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
-        if not (0.0 < self.repetition_penalty <= 10.0):
-            raise ValueError(f"repetition_penalty must be in (0, 10] (1 = off), got {self.repetition_penalty!r}")
+        if not (MIN_REPETITION_PENALTY <= self.repetition_penalty <= 10.0):
+            raise ValueError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, 10] (1 = off), got "
+                             f"{self.repetition_penalty!r}")
+        # NOTE: past these the float32 sampler overflows (inf logits, an empty nucleus): one step broke on them
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)            # greedy, as the limit is
+        if self.top_p < MIN_TOP_P:
+            object.__setattr__(self, "top_p", MIN_TOP_P)            # the top token alone, as the limit is
         for name in ("presence_penalty", "frequency_penalty"):
             if not (-2.0 <= getattr(self, name) <= 2.0):
                 raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {getattr(self, name)!r}")

@@ -3,12 +3,13 @@ HTTP layer needs (`OpenAIOptions`); every rejection an `ApiError` naming the fie
 (`top_p`, `messages[0].role`), as `router.validation` does for gRPC."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
 
 from engine.sampling_params import MAX_LOGPROBS, SPECULATIVE_CHOICES, SamplingParams
-from router.validation import (MAX_SEED, GenerateParams, ModelLimits, build_sampling, draw_seed, invalid,
-                               resolve_model)
+from router.validation import (MAX_SEED, GenerateParams, ModelLimits, build_sampling, check_cache_salt, draw_seed,
+                               invalid, resolve_model)
 
 MAX_CHOICES = 16             # OpenAI's n
 # Every field a request may carry: OpenAI's (some only to be refused by name, e.g. tools, or accepted as metadata
@@ -24,6 +25,44 @@ COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "top_logprobs", "tool_choice", "parallel_tool_calls", "function_call"}
 MAX_BATCH_PROMPTS = 64       # completion prompts x choices in one request
 _CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+MAX_JSON_DEPTH = 32          # arrays / objects inside each other; a real body nests 4 deep (content parts)
+_SHOWN_CHARS = 120           # of a refused value, in the error message
+
+
+def parse_body(raw: bytes) -> Any:
+    """A request body as JSON (RFC 8259: UTF-8); anything else, or a nest deeper than MAX_JSON_DEPTH, is a 400
+    naming `body`. NaN / Infinity literals parse (Python's json does) and fail the range checks by name."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise invalid("body", f"the request body is not UTF-8 text (byte {exc.start}); send JSON in UTF-8") from None
+    try:
+        body = json.loads(text or "null")
+    except RecursionError:
+        raise invalid("body", f"the request body nests deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as exc:  # JSONDecodeError, or an integer of more digits than Python converts
+        raise invalid("body", f"the request body is not valid JSON: {exc}") from None
+    if _depth(body) > MAX_JSON_DEPTH:
+        raise invalid("body", f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
+    return body
+
+
+def _depth(value: Any) -> int:
+    """How deep lists and objects nest (iterative: the body may be as deep as the JSON parser allowed)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, depth = todo.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            todo.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def _show(value: Any) -> str:
+    """A refused value as the error message quotes it: its repr, cut short (it may be megabytes)."""
+    shown = repr(value)
+    return shown if len(shown) <= _SHOWN_CHARS else f"{shown[:_SHOWN_CHARS]}... ({len(shown)} characters)"
 
 
 @dataclass(frozen=True)
@@ -73,13 +112,21 @@ def _typed(body: Mapping[str, Any], key: str, types: tuple[type, ...], what: str
     if isinstance(value, bool) and bool not in types:
         raise invalid(key, f"{key} must be {what}, got {value!r}")
     if not isinstance(value, types):
-        raise invalid(key, f"{key} must be {what}, got {value!r}")
+        raise invalid(key, f"{key} must be {what}, got {_show(value)}")
     return value
 
 
 def _number(body: Mapping[str, Any], key: str, default: float | None) -> float | None:
     value = _typed(body, key, (int, float), "a number", default)
-    return None if value is None else float(value)
+    return None if value is None else _float(value, key)
+
+
+def _float(value: int | float, param: str) -> float:
+    """A JSON number as a float; an integer past float's range (1e308) is out of every option's range."""
+    try:
+        return float(value)
+    except OverflowError:
+        raise invalid(param, f"{param} is out of range: an integer of {len(str(abs(value)))} digits") from None
 
 
 def _integer(body: Mapping[str, Any], key: str, default: int | None) -> int | None:
@@ -93,7 +140,7 @@ def _stop(body: Mapping[str, Any]) -> list[str]:
     if isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, list) or any(not isinstance(s, str) or not s for s in stop):
-        raise invalid("stop", f"stop must be a non-empty string or a list of non-empty strings, got {stop!r}")
+        raise invalid("stop", f"stop must be a non-empty string or a list of non-empty strings, got {_show(stop)}")
     return stop
 
 
@@ -109,13 +156,28 @@ def _unsupported(body: Mapping[str, Any]) -> None:
         raise invalid("response_format", f"response_format must be {{'type': 'text'}}, got {fmt!r}")
     if body.get("suffix"):
         raise invalid("suffix", "suffix is not supported; omit it")
+    _metadata(body)
+
+
+def _metadata(body: Mapping[str, Any]) -> None:
+    """Options accepted as metadata that changes no output; still the types OpenAI documents."""
+    for key in ("user", "service_tier"):
+        _typed(body, key, (str,), "a string")
+    _typed(body, "store", (bool,), "a boolean")
+    metadata = _typed(body, "metadata", (dict,), "an object of string values", {})
+    bad = next((k for k, v in metadata.items() if not isinstance(v, str)), None)
+    if bad is not None:
+        raise invalid(f"metadata.{bad}", f"metadata.{bad} must be a string (metadata values are), got "
+                                         f"{_show(metadata[bad])}")
 
 
 def _known_fields(body: Mapping[str, Any], known: frozenset[str], endpoint: str) -> None:
-    unknown = sorted(str(k) for k in body if k not in known)
+    # NOTE: a key may hold a lone surrogate ("\\ud800" in the JSON): named escaped, so the answer still encodes
+    unknown = sorted(str(k).encode("utf-8", "backslashreplace").decode() for k in body if k not in known)
     if unknown:
-        raise invalid(unknown[0], f"unrecognized request field{'s' if len(unknown) > 1 else ''} "
-                                  f"{', '.join(map(repr, unknown))}: not an option of {endpoint} (check the spelling)")
+        names = ", ".join(f"'{k}'" for k in unknown)
+        raise invalid(unknown[0], f"unrecognized request field{'s' if len(unknown) > 1 else ''} {names}: not an "
+                                  f"option of {endpoint} (check the spelling)")
 
 
 def _valid_text(value: Any, path: str) -> None:
@@ -145,10 +207,10 @@ def _logit_bias(body: Mapping[str, Any]) -> dict[int, float]:
         try:
             token_id = int(key)
         except (TypeError, ValueError):
-            raise invalid("logit_bias", f"logit_bias keys must be token ids, got {key!r}") from None
+            raise invalid("logit_bias", f"logit_bias keys must be token ids, got {_show(key)}") from None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise invalid("logit_bias", f"logit_bias values must be numbers in [-100, 100], got {value!r}")
-        bias[token_id] = float(value)
+            raise invalid("logit_bias", f"logit_bias values must be numbers in [-100, 100], got {_show(value)}")
+        bias[token_id] = _float(value, "logit_bias")
     return bias
 
 
@@ -178,20 +240,21 @@ def _chat_logprobs(body: Mapping[str, Any]) -> tuple[int | None, str]:
     return ((top or 0) if wanted else None), ("top_logprobs" if top is not None else "logprobs")
 
 
-def _openai_sampling(body: Mapping[str, Any], max_tokens_keys: Sequence[str],
-                     defaults: Mapping[str, float], chat: bool) -> tuple[SamplingParams, bool]:
+def _openai_sampling(body: Mapping[str, Any], max_tokens_keys: Sequence[str], defaults: Mapping[str, float],
+                     chat: bool, max_model_len: int) -> tuple[SamplingParams, bool]:
     max_tokens, explicit = None, False
-    for key in max_tokens_keys:
+    for key in max_tokens_keys:  # each is checked; the first one given is used
         value = _integer(body, key, None)
         if value is not None:
-            if value < 1:
-                raise invalid(key, f"{key} must be >= 1, got {value}")
-            max_tokens, explicit = value, True
-            break
+            if not 1 <= value < max_model_len:
+                raise invalid(key, f"{key} must be in [1, {max_model_len - 1}] (below the model's max_model_len "
+                                   f"{max_model_len}), got {value}")
+            if not explicit:
+                max_tokens, explicit = value, True
     logprobs, logprobs_param = (_chat_logprobs if chat else _completion_logprobs)(body)
     stop_token_ids = _typed(body, "stop_token_ids", (list,), "a list of token ids", [])
     if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in stop_token_ids):
-        raise invalid("stop_token_ids", f"stop_token_ids must be non-negative integers, got {stop_token_ids!r}")
+        raise invalid("stop_token_ids", f"stop_token_ids must be non-negative integers, got {_show(stop_token_ids)}")
     sampling = build_sampling(
         "", max_tokens=max_tokens, temperature=_number(body, "temperature", defaults.get("temperature", 1.0)),
         top_p=_number(body, "top_p", defaults.get("top_p")),
@@ -222,7 +285,14 @@ def _stream_options(body: Mapping[str, Any]) -> tuple[bool, bool]:
     options = _typed(body, "stream_options", (dict,), "an object", {})
     if options and not stream:
         raise invalid("stream_options", "stream_options is only allowed with stream: true")
-    return stream, bool(options.get("include_usage", False))
+    unknown = next((str(k) for k in options if k != "include_usage"), None)
+    if unknown is not None:
+        raise invalid("stream_options", f"stream_options takes include_usage only, got {_show(unknown)}")
+    include_usage = options.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise invalid("stream_options.include_usage", f"stream_options.include_usage must be a boolean, got "
+                                                      f"{_show(include_usage)}")
+    return stream, include_usage
 
 
 def _common(body: Mapping[str, Any], models: Mapping[str, ModelLimits], request_id: str,
@@ -236,9 +306,9 @@ def _common(body: Mapping[str, Any], models: Mapping[str, ModelLimits], request_
     _unsupported(body)
     limits = resolve_model(model, models)
     sampling, explicit = _openai_sampling(body, ("max_tokens", "max_completion_tokens"),
-                                          dict(limits.sampling_defaults), chat)
+                                          dict(limits.sampling_defaults), chat, limits.max_model_len)
     return dict(model=limits.id, sampling=sampling, max_tokens_explicit=explicit,
-                request_id=request_id, cache_salt=_typed(body, "cache_salt", (str,), "a string", ""))
+                request_id=request_id, cache_salt=check_cache_salt(_typed(body, "cache_salt", (str,), "a string", "")))
 
 
 def from_completion(body: Mapping[str, Any], models: Mapping[str, ModelLimits],
@@ -282,15 +352,20 @@ def check_messages(body: Mapping[str, Any]) -> tuple[dict, ...]:
             raise invalid(f"messages[{i}]", f"messages[{i}] must be an object with role and content")
         role, content = m.get("role"), m.get("content")
         if role not in _CHAT_ROLES:
-            raise invalid(f"messages[{i}].role", f"messages[{i}].role must be one of {_CHAT_ROLES}, got {role!r}")
+            raise invalid(f"messages[{i}].role", f"messages[{i}].role must be one of {_CHAT_ROLES}, got "
+                                                 f"{_show(role)}")
         if isinstance(content, list):
             if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
                 raise invalid(f"messages[{i}].content", f"messages[{i}].content parts must be of type 'text'")
-            content = "".join(str(p.get("text", "")) for p in content)
+            bad = next((j for j, p in enumerate(content) if not isinstance(p.get("text", ""), str)), None)
+            if bad is not None:
+                raise invalid(f"messages[{i}].content[{bad}].text", f"messages[{i}].content[{bad}].text must be a "
+                                                                    f"string")
+            content = "".join(p.get("text", "") for p in content)
         if content is None:
             content = ""
         if not isinstance(content, str):
-            raise invalid(f"messages[{i}].content", f"messages[{i}].content must be a string, got {content!r}")
+            raise invalid(f"messages[{i}].content", f"messages[{i}].content must be a string, got {_show(content)}")
         out.append({"role": role, "content": content})
     return tuple(out)
 
@@ -301,7 +376,10 @@ def from_chat(body: Mapping[str, Any], models: Mapping[str, ModelLimits], reques
     common = _common(body, models, request_id, chat=True)
     messages = check_messages(body)
     stream, include_usage = _stream_options(body)
-    text = render(messages)
+    try:
+        text = render(messages)
+    except ValueError as exc:  # ChatTemplateError: e.g. the template's raise_exception("roles must alternate")
+        raise invalid("messages", f"the model's chat template refuses these messages: {exc}") from None
     # NOTE: the template already wrote any special tokens; adding a BOS again would change the prompt.
     return (GenerateParams(prompt_text=text, prompt_ids=None, add_special_tokens=False, **common),
             OpenAIOptions(stream=stream, include_usage=include_usage, chat=True, messages=messages,

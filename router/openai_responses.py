@@ -2,6 +2,7 @@
 for `text_completion` and `chat.completion` with n choices per prompt (`router.openai_api` serves them)."""
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, NamedTuple
 
@@ -15,6 +16,7 @@ from strata.v1 import common_pb2
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 400,
     grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.ALREADY_EXISTS: 409, grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.UNAVAILABLE: 503,
     grpc.StatusCode.DEADLINE_EXCEEDED: 504, grpc.StatusCode.CANCELLED: 499,
 }
@@ -22,14 +24,24 @@ FINISH_REASONS = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASO
            common_pb2.FINISH_REASON_ABORT: "abort"}
 
 def error_body(exc: ApiError) -> dict[str, Any]:
-    kind = "invalid_request_error" if exc.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND) \
-        else exc.code.name.lower()
+    kind = "invalid_request_error" if exc.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
+                                                   grpc.StatusCode.UNAUTHENTICATED) else exc.code.name.lower()
     code = "model_not_found" if exc.code == grpc.StatusCode.NOT_FOUND and exc.param == "model" else None
-    return {"error": {"message": exc.message, "type": kind, "param": exc.param, "code": code}}
+    if exc.code == grpc.StatusCode.UNAUTHENTICATED:
+        code = "invalid_api_key"  # as OpenAI answers a missing or wrong key
+    return {"error": {"message": _encodable(exc.message), "type": kind, "param": _encodable(exc.param),
+                      "code": code}}
+
+
+def _encodable(text: str | None) -> str | None:
+    """NOTE: a message or param may quote a client's lone surrogate ("\\ud800" in its JSON), which UTF-8 cannot
+    encode: escaped, so the error body itself never fails (a 500 in place of the 400)."""
+    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def error_response(exc: ApiError) -> JSONResponse:
-    return JSONResponse(error_body(exc), status_code=HTTP_STATUS.get(exc.code, 500))
+    headers = None if exc.retry_after_s is None else {"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))}
+    return JSONResponse(error_body(exc), status_code=HTTP_STATUS.get(exc.code, 500), headers=headers)
 
 
 def _usage(usage: common_pb2.Usage) -> dict[str, Any]:

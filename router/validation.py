@@ -21,20 +21,38 @@ from typing import Any, Callable, Mapping, Sequence
 
 import grpc
 
-from engine.sampling_params import MAX_LOGPROBS, SPECULATIVE_CHOICES, SamplingParams
+from engine.sampling_params import (MAX_LOGPROBS, MIN_REPETITION_PENALTY, MIN_TEMPERATURE, MIN_TOP_P,
+                                    SPECULATIVE_CHOICES, SamplingParams)
 
 DEFAULT_MAX_TOKENS = 64
 MAX_TEMPERATURE = 100.0
 MAX_SEED = 2**63
 MAX_REQUEST_ID_LEN = 256
+# NOTE: the sampler divides logits by the temperature in float32: below ~1e-10 it draws wrong tokens, below
+# float32's range it failed the engine step (the fuzz found 2.2e-313). A temperature under MIN_TEMPERATURE is greedy
+# (vLLM's _SAMPLING_EPS); a top_p under MIN_TOP_P is MIN_TOP_P, which keeps the same single most likely token (its
+# probability is at least 1 / vocab). `SamplingParams` applies the same rules wherever a request comes from.
+MAX_UINT32 = 2**32 - 1         # the wire type of top_k, min_tokens and token ids (strata.proto)
+# Bounds on list-like options (vLLM has none; a client that sends thousands is broken or hostile, and every stop
+# string is checked at every token): OpenAI allows 4 stop strings, we allow more.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024
+MAX_CACHE_SALT_LEN = 1024
+# A request's size on the wire, either door (`--max-request-bytes`): an HTTP body over it is a 413, a gRPC message
+# RESOURCE_EXHAUSTED. gRPC's own default; a max_model_len of token ids as JSON is far below it.
+MAX_REQUEST_BYTES = 4 << 20
 
 
 class ApiError(Exception):
-    """A request the router refuses. `param` names the field (None when no single field is at fault)."""
+    """A request the router refuses. `param` names the field (None when no single field is at fault);
+    `retry_after_s`: when to try again (overload), sent as `grpc-retry-pushback-ms` / HTTP `Retry-After`."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, param: str | None = None) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, param: str | None = None,
+                 retry_after_s: float | None = None) -> None:
         super().__init__(message)
-        self.code, self.message, self.param = code, message, param
+        self.code, self.message, self.param, self.retry_after_s = code, message, param, retry_after_s
 
 
 def invalid(param: str, message: str) -> ApiError:
@@ -93,21 +111,28 @@ def build_sampling(prefix: str, *, max_tokens: int | None, temperature: float, t
                    frequency_penalty: float = 0.0, logprobs: int | None = None,
                    logprobs_param: str = "logprobs", logit_bias: Mapping[int, float] | None = None,
                    min_tokens: int = 0, prompt_logprobs: int | None = None,
-                   prompt_logprobs_param: str = "prompt_logprobs", speculative: str | None = None) -> SamplingParams:
+                   prompt_logprobs_param: str = "prompt_logprobs", speculative: str | None = None,
+                   max_model_len: int | None = None) -> SamplingParams:
     """Range checks with the door's field names; an unset seed is drawn here, so a retry on another worker
-    continues the same random stream (docs/api.md: "the same tokens on any worker, after a failover too")."""
+    continues the same random stream (docs/api.md: "the same tokens on any worker, after a failover too").
+    `max_model_len`: the model's, which an explicit max_tokens must leave room below for one prompt token."""
     if max_tokens is not None and max_tokens < 1:
         raise invalid(f"{prefix}max_tokens", f"{prefix}max_tokens must be >= 1, got {max_tokens}")
+    if max_tokens is not None and max_model_len is not None and max_tokens >= max_model_len:
+        raise invalid(f"{prefix}max_tokens", f"{prefix}max_tokens must be in [1, {max_model_len - 1}] (below the "
+                                             f"model's max_model_len {max_model_len}), got {max_tokens}")
     if not (math.isfinite(temperature) and 0.0 <= temperature <= MAX_TEMPERATURE):
         raise invalid(f"{prefix}temperature",
                       f"{prefix}temperature must be in [0, {MAX_TEMPERATURE:g}] (0 = greedy), got {temperature}")
     if top_p is not None and not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
         raise invalid(f"{prefix}top_p", f"{prefix}top_p must be in (0, 1], got {top_p}")
-    if top_k < 0:
-        raise invalid(f"{prefix}top_k", f"{prefix}top_k must be >= 0 (0 = off), got {top_k}")
-    if repetition_penalty is not None and not (math.isfinite(repetition_penalty) and 0.0 < repetition_penalty <= 10):
+    if not 0 <= top_k <= MAX_UINT32:
+        raise invalid(f"{prefix}top_k", f"{prefix}top_k must be in [0, {MAX_UINT32}] (0 = off), got {top_k}")
+    if repetition_penalty is not None and not (math.isfinite(repetition_penalty)
+                                               and MIN_REPETITION_PENALTY <= repetition_penalty <= 10):
         raise invalid(f"{prefix}repetition_penalty",
-                      f"{prefix}repetition_penalty must be in (0, 10] (1 = off), got {repetition_penalty}")
+                      f"{prefix}repetition_penalty must be in [{MIN_REPETITION_PENALTY}, 10] (1 = off), got "
+                      f"{repetition_penalty}")
     for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
         if not (math.isfinite(value) and -2.0 <= value <= 2.0):
             raise invalid(f"{prefix}{name}", f"{prefix}{name} must be in [-2, 2] (0 = off), got {value}")
@@ -119,6 +144,7 @@ def build_sampling(prefix: str, *, max_tokens: int | None, temperature: float, t
     for value, param in ((logprobs, logprobs_param), (prompt_logprobs, prompt_logprobs_param)):
         if value is not None and not 0 <= value <= MAX_LOGPROBS:
             raise invalid(f"{prefix}{param}", f"{prefix}{param} must be in [0, {MAX_LOGPROBS}], got {value}")
+    check_sizes(prefix, stop, stop_token_ids, logit_bias or {})
     for token_id, value in (logit_bias or {}).items():
         if token_id < 0 or not (math.isfinite(value) and -100.0 <= value <= 100.0):
             raise invalid(f"{prefix}logit_bias", f"{prefix}logit_bias must map token ids >= 0 to values in "
@@ -128,14 +154,36 @@ def build_sampling(prefix: str, *, max_tokens: int | None, temperature: float, t
     check_speculative(speculative, f"{prefix}speculative")
     if seed is None and draw_seed is not None:
         seed = draw_seed()
-    return SamplingParams(max_tokens=max_tokens or DEFAULT_MAX_TOKENS, temperature=float(temperature),
-                          top_k=top_k, top_p=1.0 if top_p is None else float(top_p), seed=seed, stop=tuple(stop),
+    temperature = 0.0 if temperature < MIN_TEMPERATURE else float(temperature)
+    return SamplingParams(max_tokens=max_tokens or DEFAULT_MAX_TOKENS, temperature=temperature,
+                          top_k=top_k, top_p=1.0 if top_p is None else max(float(top_p), MIN_TOP_P), seed=seed,
+                          stop=tuple(stop),
                           stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos,
                           include_stop_str_in_output=include_stop_str_in_output,
                           repetition_penalty=1.0 if repetition_penalty is None else float(repetition_penalty),
                           presence_penalty=float(presence_penalty), frequency_penalty=float(frequency_penalty),
                           logprobs=logprobs, logit_bias=tuple((logit_bias or {}).items()),
                           min_tokens=min_tokens, prompt_logprobs=prompt_logprobs, speculative=speculative)
+
+
+def check_sizes(prefix: str, stop: Sequence[str], stop_token_ids: Sequence[int],
+                logit_bias: Mapping[int, float]) -> None:
+    """The list-like options' bounds (MAX_STOP_STRINGS and the rest), before their items are looked at."""
+    for name, items, limit in (("stop", stop, MAX_STOP_STRINGS), ("stop_token_ids", stop_token_ids,
+                                                                  MAX_STOP_TOKEN_IDS),
+                               ("logit_bias", logit_bias, MAX_LOGIT_BIAS)):
+        if len(items) > limit:
+            raise invalid(f"{prefix}{name}", f"{prefix}{name} holds {len(items)} entries; at most {limit}")
+    long = next((s for s in stop if isinstance(s, str) and len(s) > MAX_STOP_CHARS), None)
+    if long is not None:
+        raise invalid(f"{prefix}stop", f"{prefix}stop strings must be at most {MAX_STOP_CHARS} characters, got "
+                                       f"{len(long)}")
+
+
+def check_cache_salt(cache_salt: str, param: str = "cache_salt") -> str:
+    if len(cache_salt) > MAX_CACHE_SALT_LEN:
+        raise invalid(param, f"{param} must be at most {MAX_CACHE_SALT_LEN} characters, got {len(cache_salt)}")
+    return cache_salt
 
 
 def check_speculative(value: str | None, param: str) -> str | None:
@@ -184,10 +232,11 @@ def check_prompt(params: GenerateParams, token_ids: Sequence[int], model: ModelL
     return sampling
 
 
-def effective_salt(cache_salt: str, identity: str) -> str:
+def effective_salt(cache_salt: str, identity: str, isolated: bool = False) -> str:
     """The salt the workers hash with (DESIGN §3): the caller's salt bound to the caller's identity, so a salt
-    alone never opens another tenant's prefixes. No salt = the shared public namespace."""
-    if not cache_salt:
+    alone never opens another tenant's prefixes. No salt = the shared public namespace, unless `isolated` (an
+    authenticated tenant, `router.auth`): then every request is salted from its identity, a salt or not."""
+    if not cache_salt and not isolated:
         return ""
     return hashlib.blake2b(f"{identity}\0{cache_salt}".encode(), digest_size=16).hexdigest()
 
@@ -214,11 +263,11 @@ def from_grpc(request: Any, models: Mapping[str, ModelLimits]) -> GenerateParams
         presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
         logprobs=s.logprobs if s.HasField("logprobs") else None, logit_bias=dict(s.logit_bias),
         min_tokens=s.min_tokens, prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
-        speculative=s.speculative or None)
+        speculative=s.speculative or None, max_model_len=model.max_model_len)
     opts = request.stream_options
     return GenerateParams(
         model=model.id, prompt_text=request.text if kind == "text" else None,
         prompt_ids=tuple(request.token_ids.ids) if kind == "token_ids" else None, sampling=sampling,
         max_tokens_explicit=s.HasField("max_tokens"), request_id=check_request_id(request.request_id),
-        cache_salt=request.cache_salt, skip_text=opts.skip_text,
+        cache_salt=check_cache_salt(request.cache_salt), skip_text=opts.skip_text,
         include_prompt_token_ids=opts.include_prompt_token_ids, include_metrics=opts.include_metrics)

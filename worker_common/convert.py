@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from engine.outputs import TokenLogprobs
-from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from engine.sampling_params import MAX_LOGPROBS, MIN_REPETITION_PENALTY, SamplingParams
 from kvstore.hashing import HASH_BYTES
 from strata.v1 import common_pb2
 
@@ -30,11 +30,13 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
     for name in ("logprobs", "prompt_logprobs"):
         if msg.HasField(name) and getattr(msg, name) > MAX_LOGPROBS:
             raise InvalidArgument(f"sampling.{name} must be in [0, {MAX_LOGPROBS}], got {getattr(msg, name)}")
-    if msg.HasField("repetition_penalty") and not 0.0 < msg.repetition_penalty <= 10.0:
-        raise InvalidArgument(f"sampling.repetition_penalty must be in (0, 10], got {msg.repetition_penalty}")
+    if msg.HasField("repetition_penalty") and not MIN_REPETITION_PENALTY <= msg.repetition_penalty <= 10.0:
+        raise InvalidArgument(f"sampling.repetition_penalty must be in [{MIN_REPETITION_PENALTY}, 10], got "
+                              f"{msg.repetition_penalty}")
     try:
         return SamplingParams(
-            max_tokens=max_tokens, min_tokens=msg.min_tokens, temperature=msg.temperature, top_k=msg.top_k,
+            max_tokens=max_tokens, min_tokens=msg.min_tokens,
+            temperature=msg.temperature, top_k=msg.top_k,   # tiny temperature / top_p: SamplingParams clamps
             top_p=msg.top_p if msg.HasField("top_p") else 1.0,
             repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
             presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
@@ -108,6 +110,22 @@ def check_prompt(token_ids: Sequence[int], vocab_size: int, max_model_len: int) 
         raise InvalidArgument(f"token_ids: {len(token_ids)} tokens leave no room below max_model_len "
                               f"{max_model_len}")
     return list(token_ids)
+
+
+def check_resume(resume_ids: Sequence[int], prompt: Sequence[int], params: SamplingParams, vocab_size: int,
+                 max_model_len: int) -> list[int]:
+    """A migrated request's tokens so far (`WorkerGenerateRequest.resume_output_ids`): in the vocabulary, fewer
+    than max_tokens, and leaving room below max_model_len for the next one."""
+    bad = next((t for t in resume_ids if t >= vocab_size), None)
+    if bad is not None:
+        raise InvalidArgument(f"resume_output_ids must be in [0, {vocab_size}), got {bad}")
+    if len(resume_ids) >= params.max_tokens:
+        raise InvalidArgument(f"resume_output_ids: {len(resume_ids)} tokens leave none of sampling.max_tokens "
+                              f"{params.max_tokens} to generate")
+    if len(prompt) + len(resume_ids) >= max_model_len:
+        raise InvalidArgument(f"token_ids + resume_output_ids: {len(prompt) + len(resume_ids)} tokens leave no room "
+                              f"below max_model_len {max_model_len}")
+    return list(resume_ids)
 
 
 def check_handle(kv: common_pb2.KvHandle, num_prompt_tokens: int) -> None:
