@@ -3,7 +3,8 @@
     Decode:   validate -> pull the handle's blocks (transfer -> store -> recompute) -> ReleaseKv to the prefill
               worker (in the background) -> engine thread: install + add request + first token as output
               -> stream the tokens after the first
-    Generate: conditional disaggregation: load cached prefix blocks, prefill here, stream every token
+    Generate: conditional disaggregation: load cached prefix blocks, prefill here, stream every token; with
+              resume_output_ids (request migration) prefill prompt + those and stream what comes after them
 A client that cancels (or whose deadline passes) aborts the request on the engine thread, freeing its blocks; an
 Abort ends its stream with FINISH_REASON_ABORT. A request this worker fails (the engine step or the output handling
 raised, admission broke, the worker shut down) ends its stream with an error status (INTERNAL, UNAVAILABLE), never
@@ -27,10 +28,11 @@ from kvstore.transfer import TransferConfig, create_agent
 from strata.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from worker_common.admission import admit
 from worker_common.config import WorkerConfig
-from worker_common.convert import (InvalidArgument, check_handle, check_prompt, check_speculative, check_vocab,
-                                   logprobs_to_proto, sampling_from_proto)
+from worker_common.convert import (InvalidArgument, check_handle, check_prompt, check_resume, check_speculative,
+                                   check_vocab, logprobs_to_proto, sampling_from_proto)
 from worker_common.engine_loop import failure_of
 from worker_common.engine_setup import EngineBundle
+from worker_common.grpc_auth import attach_secret
 from worker_common.kv_blocks import cacheable_blocks, store_computed_blocks
 from worker_common.prefix_load import ChunkInstaller, fill_load_timings, load_prefix
 from worker_common.server import GRPC_OPTIONS, WorkerBase
@@ -44,7 +46,10 @@ _RELEASE_TIMEOUT_S = 2.0
 class DecodeService(WorkerBase):
     def __init__(self, config: WorkerConfig, bundle: EngineBundle | None = None, ep_group: Any = None) -> None:
         super().__init__(config, bundle, ep_group)
-        self.agent = create_agent(TransferConfig(backend=config.transfer, host=config.host))
+        self.agent = create_agent(TransferConfig(backend=config.transfer, host=config.host,
+                                                secret=config.cluster_secret, tls_cert_file=config.fleet_tls_cert_file,
+                                                tls_key_file=config.fleet_tls_key_file,
+                                                tls_ca_file=config.fleet_tls_ca_file))  # fleet TLS: tcp over TLS
         self.puller = KvPuller(self.bundle, self.store, self.agent, config.transfer_deadline_s)
         self._peers: dict[str, worker_pb2_grpc.WorkerStub] = {}
         self._peers_lock = threading.Lock()
@@ -73,7 +78,7 @@ class DecodeService(WorkerBase):
             hashes = list(request.kv.block_hashes[:len(pulled.payloads)])
             # NOTE: the prompt's logprobs came with the first token from the prefill worker: not computed again
             installed = self._admit(tracked, request.request_id, prompt, replace(params, prompt_logprobs=None),
-                                    fingerprint, hashes, pulled.payloads, context, first_token=request.first_token_id,
+                                    fingerprint, hashes, pulled.payloads, context, outputs=[request.first_token_id],
                                     tail=pulled.tail)
             blocks = _block_counts(pulled, installed.num_blocks, len(request.kv.block_hashes))
             if pulled.tail is not None and installed.num_blocks == len(hashes):
@@ -148,28 +153,33 @@ class DecodeService(WorkerBase):
         with self._peers_lock:
             stub = self._peers.get(address)
             if stub is None:
+                channel = self.config.fleet_tls().channel(address, GRPC_OPTIONS)  # fleet TLS: mTLS to the peer
                 stub = self._peers[address] = worker_pb2_grpc.WorkerStub(
-                    grpc.insecure_channel(address, options=GRPC_OPTIONS))
+                    attach_secret(channel, self.config.cluster_secret))
             return stub
 
     # ---- Generate (conditional disaggregation) ----------------------------------------------------------------
 
     def Generate(self, request: worker_pb2.WorkerGenerateRequest, context: grpc.ServicerContext) -> Iterator:
         params, prompt = self._validate(request.sampling, request.token_ids, context)
+        text = TextStream(self.bundle.tokenizer, prompt, params, request.skip_text)
+        resume, carry = self._resume(request.resume_output_ids, prompt, params, text, context)
+        if resume:  # NOTE: the prompt's logprobs went to the client with the first token, from the failed worker
+            params = replace(params, prompt_logprobs=None)
+        context_ids = prompt + resume           # | prompt | tokens the client has | -> computed (or loaded) here
         fingerprint = self.bundle.fingerprint_for(request.cache_salt)
-        hashes = hash_blocks(fingerprint, prompt, self.bundle.block_size)
-        hashes = hashes[:cacheable_blocks(len(prompt), self.bundle.block_size)]
-        tracked = StreamingRequest(TextStream(self.bundle.tokenizer, prompt, params, request.skip_text), params,
-                                   self._store_blocks_of(fingerprint))
+        hashes = hash_blocks(fingerprint, context_ids, self.bundle.block_size)
+        hashes = hashes[:cacheable_blocks(len(context_ids), self.bundle.block_size)]
+        tracked = StreamingRequest(text, params, self._store_blocks_of(fingerprint), carry_text=carry)
         self.claim(request.request_id, tracked, context)
         try:
             started = time.perf_counter()
-            chunks = ChunkInstaller(self.loop, hashes, prompt)  # installs while later blocks are read
+            chunks = ChunkInstaller(self.loop, hashes, context_ids)  # installs while later blocks are read
             loaded = load_prefix(self.bundle, self.store, hashes, fingerprint, request, on_chunk=chunks)
             load_s = time.perf_counter() - started
             try:
                 installed = self._admit(tracked, request.request_id, prompt, params, fingerprint, hashes,
-                                        loaded.payloads, context)
+                                        loaded.payloads, context, outputs=resume)
             finally:
                 chunks.finish()
                 loaded.release()  # admission copied the payloads into the cache
@@ -179,6 +189,18 @@ class DecodeService(WorkerBase):
                                     load_s=load_s)
         finally:
             self.unclaim(request.request_id)
+
+    def _resume(self, resume_ids, prompt: list[int], params: SamplingParams, text: TextStream,
+                context) -> tuple[list[int], str]:
+        """A migrated request's tokens so far, checked, and their text (sent in front of the first new delta)."""
+        if not resume_ids:
+            return [], ""
+        try:
+            resume = check_resume(resume_ids, prompt, params, self.bundle.runner.vocab_size,
+                                  self.bundle.max_model_len)
+            return resume, text.resume(resume)
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
     # ---- shared -----------------------------------------------------------------------------------------------
 
@@ -202,11 +224,11 @@ class DecodeService(WorkerBase):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
     def _admit(self, tracked: StreamingRequest, request_id: str, prompt: list[int], params: SamplingParams,
-               fingerprint: bytes, hashes: Sequence[bytes], payloads, context, first_token: int | None = None,
+               fingerprint: bytes, hashes: Sequence[bytes], payloads, context, outputs: Sequence[int] = (),
                tail: memoryview | None = None):
         try:
             installed = self.loop.post(lambda: admit(self.loop, tracked, request_id, prompt, engine_params(params),
-                                                     fingerprint, hashes, payloads, first_token, tail)).result()
+                                                     fingerprint, hashes, payloads, outputs, tail)).result()
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Exception as exc:  # noqa: BLE001 - installing the KV or adding the request broke: this worker's fault
@@ -241,7 +263,8 @@ class DecodeService(WorkerBase):
                 chunk.finish_reason = event.finish_reason
                 for key, value in event.stop_fields.items():
                     setattr(chunk, key, value)
-                cached = cached_tokens if cached_tokens is not None else event.cached_tokens
+                # NOTE: a migrated request's prefix hit may reach into its outputs: usage counts prompt tokens
+                cached = cached_tokens if cached_tokens is not None else min(event.cached_tokens, prompt_tokens)
                 chunk.usage.CopyFrom(common_pb2.Usage(prompt_tokens=prompt_tokens,
                                                       completion_tokens=event.completion_tokens,
                                                       cached_tokens=cached))

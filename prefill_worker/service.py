@@ -113,7 +113,10 @@ class PrefillJob(Tracked):
 class PrefillService(WorkerBase):
     def __init__(self, config: WorkerConfig, bundle: EngineBundle | None = None, ep_group: Any = None) -> None:
         super().__init__(config, bundle, ep_group)
-        self.agent = create_agent(TransferConfig(backend=config.transfer, host=config.host))
+        self.agent = create_agent(TransferConfig(backend=config.transfer, host=config.host,
+                                                secret=config.cluster_secret, tls_cert_file=config.fleet_tls_cert_file,
+                                                tls_key_file=config.fleet_tls_key_file,
+                                                tls_ca_file=config.fleet_tls_ca_file))  # fleet TLS: tcp over TLS
         self.pool = HandoffPool(self.agent, slot_bytes(self.bundle), config.handoff_bytes)
         self.leases = LeaseTable(self.agent, self.pool)
         self.exporter = KvExporter(self.bundle, self.store, self.agent, self.pool, self.leases, self.worker_id)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import socket
 import sys
 import threading
@@ -15,6 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Sequence
 
+from router.admission import AdmissionConfig
+from router.auth import ApiKeys
 from router.cost_model import CostModelConfig
 from router.dispatch import DispatchConfig, Dispatcher
 from engine.config import KV_CACHE_DTYPES, QUANT_GROUP_SIZES, QUANTIZATION_SCHEMES
@@ -23,10 +26,13 @@ from router.events_feed import EventsFeed, SharedIndex
 from router.openai_api import RouterMetrics, create_app
 from router.policy import POLICIES, get_policy
 from router.registry import RegistryConfig, WorkerRegistry
+from router.validation import MAX_REQUEST_BYTES
 from router.service import RegistryService, StrataService, add_services, make_grpc_server, mark_serving
 from router.worker_probe import WorkerProbe
 from strata.cache_metrics import ask_workers
 from strata.paths import resolve_model
+from worker_common.fleet_tls import FleetTls, add_fleet_tls_flags
+from worker_common.grpc_auth import SECRET_ENV, read_cluster_secret
 
 log = logging.getLogger("router")
 _SCRAPE_TIMEOUT_S = 1.0  # a worker slower than this is left out of one /metrics scrape
@@ -65,9 +71,54 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-attempts", type=int, default=3, help="tries of a failed step on different workers")
     p.add_argument("--request-timeout-s", type=float, default=600.0)
     p.add_argument("--max-inflight", type=int, default=1024)
+    p.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES,
+                   help="largest request a client may send: an HTTP body over it is answered 413, a gRPC message "
+                        "RESOURCE_EXHAUSTED (0 = no limit)")
+    p.add_argument("--drain-timeout-s", type=float, default=30.0,
+                   help="on SIGTERM: refuse new requests and wait this long for those in flight before cancelling")
+    p.add_argument("--max-streams-per-client", type=int, default=0,
+                   help="requests one client (API-key tenant, bearer token, else address) may have in flight; "
+                        "past it RESOURCE_EXHAUSTED / HTTP 429 (0 = no limit)")
+    p.add_argument("--max-queue-per-worker", type=int, default=256,
+                   help="requests a decode worker may hold before new ones get RESOURCE_EXHAUSTED / HTTP 429 with a "
+                        "retry hint (0 = no bound)")
     p.add_argument("--no-admin", action="store_true", help="refuse EvictCache / FlushCache (PERMISSION_DENIED)")
+    add_access_flags(p)
     p.add_argument("--log-level", default="INFO")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    try:
+        args.keys = ApiKeys.load(args.api_key, args.api_keys_file)
+        args.cluster_secret = read_cluster_secret(args.cluster_secret_file)
+        args.fleet_tls = FleetTls(args.fleet_tls_cert_file, args.fleet_tls_key_file, args.fleet_tls_ca_file,
+                                  prefix="--fleet-tls-")
+    except ValueError as exc:
+        p.error(str(exc))
+    if bool(args.tls_cert_file) != bool(args.tls_key_file):
+        p.error("--tls-cert-file and --tls-key-file go together: give both or neither")
+    if args.tls_cert_file and args.fleet_tls.enabled:
+        p.error("--tls-cert-file and --fleet-tls-* cannot both serve the router's one gRPC port (public clients and "
+                "registering workers share it): give --fleet-tls-* alone (public clients then verify the router "
+                "with the fleet CA), or --tls-* alone")
+    return args
+
+
+def add_access_flags(p: argparse.ArgumentParser) -> None:
+    """Who may call the router: client API keys (tenants), the fleet secret, TLS on the public doors."""
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="a client API key of the tenant 'default' (repeatable): every strata.v1.Strata RPC and every "
+                        "HTTP route but /health and /metrics then wants `authorization: Bearer KEY`")
+    p.add_argument("--api-keys-file", action="append", default=[], metavar="PATH",
+                   help="client API keys, one `tenant:key` a line (`#` comments; repeatable); each tenant's prefix "
+                        "cache is its own")
+    p.add_argument("--cluster-secret-file", default=None, metavar="PATH",
+                   help=f"the fleet's shared secret (first line): workers must show it to register, the router shows "
+                        f"it on every worker call (default: ${SECRET_ENV}; none = no secret)")
+    p.add_argument("--tls-cert-file", default=None, metavar="PEM", help="serve gRPC and HTTP over TLS with this "
+                                                                        "certificate (chain) ...")
+    p.add_argument("--tls-key-file", default=None, metavar="PEM", help="... and this private key")
+    add_fleet_tls_flags(p, "the router dials every worker with it (mTLS) and serves its gRPC port with it (TLS; "
+                           "no client certificate asked for there, since public clients share the port: the Registry "
+                           "relies on the fleet secret)")
 
 
 @dataclass
@@ -109,13 +160,19 @@ def build_router(args: argparse.Namespace) -> Router:
     metrics = RouterMetrics()
     dispatcher = Dispatcher({model.id: model}, registry, index, get_policy(args.policy), {model.id: cost},
                             DispatchConfig(args.max_attempts, args.request_timeout_s,
-                                           decode_s_per_token=args.decode_s_per_token), metrics, args.max_inflight)
+                                           decode_s_per_token=args.decode_s_per_token,
+                                           isolate_tenants=args.keys.enabled, cluster_secret=args.cluster_secret,
+                                           fleet_tls=args.fleet_tls,
+                                           admission=AdmissionConfig(args.max_queue_per_worker),
+                                           max_streams_per_client=args.max_streams_per_client),
+                            metrics, args.max_inflight)
     scrape_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="metrics-scrape")
     metrics.enable_cache_metrics(lambda: ask_workers(((v.record.id, v.record.address) for v in registry.workers()),
                                                      dispatcher.channels.stub, scrape_pool, _SCRAPE_TIMEOUT_S))
     probe = WorkerProbe(args.worker, registry, dispatcher, model)
     return Router(registry, index, feed, dispatcher, metrics, probe,
-                  StrataService(dispatcher, registry, allow_admin=not args.no_admin), RegistryService(registry, feed))
+                  StrataService(dispatcher, registry, allow_admin=not args.no_admin, keys=args.keys),
+                  RegistryService(registry, feed))
 
 
 def _listening_socket(host: str, port: int) -> socket.socket:
@@ -136,9 +193,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s router %(levelname)s %(name)s: %(message)s")
     router = build_router(args)
-    server = make_grpc_server()
+    server = make_grpc_server(keys=args.keys, cluster_secret=args.cluster_secret,
+                              max_request_bytes=args.max_request_bytes)
     health = add_services(server, router.strata, router.registry_service)
-    grpc_port = server.add_insecure_port(f"{args.host}:{args.grpc_port}")
+    grpc_port = _add_grpc_port(server, args)
     if grpc_port == 0:
         raise SystemExit(f"router: cannot bind gRPC port {args.host}:{args.grpc_port}")
     server.start()
@@ -154,9 +212,30 @@ def main(argv: Sequence[str] | None = None) -> None:
             _serve_http(args, router, grpc_port)
     finally:
         health.enter_graceful_shutdown()
+        left = router.dispatcher.drain(args.drain_timeout_s)  # NOTE: gRPC streams in flight finish first
+        if left:
+            log.warning("%d requests still in flight after %.0f s of draining: cancelled", left,
+                        args.drain_timeout_s)
         stop.set()
         router.close()
         server.stop(grace=3).wait(4)
+
+
+def _add_grpc_port(server, args: argparse.Namespace) -> int:
+    """The one gRPC port (the public Strata service and the workers' Registry share it): over TLS with
+    --tls-cert-file / --tls-key-file, or with fleet TLS (--fleet-tls-*). NOTE: with fleet TLS no client certificate
+    is asked for here (`require_client_auth=False`): public clients connect over TLS, verifying the router with the
+    fleet CA, and the Registry is kept to the fleet by the fleet secret; the workers' own ports are full mTLS."""
+    address = f"{args.host}:{args.grpc_port}"
+    if args.fleet_tls.enabled:
+        return args.fleet_tls.add_port(server, address, require_client_auth=False)
+    if not args.tls_cert_file:
+        return server.add_insecure_port(address)
+    import grpc
+
+    with open(args.tls_key_file, "rb") as key, open(args.tls_cert_file, "rb") as cert:
+        credentials = grpc.ssl_server_credentials([(key.read(), cert.read())])
+    return server.add_secure_port(address, credentials)
 
 
 def _serve_http(args: argparse.Namespace, router: Router, grpc_port: int) -> None:
@@ -164,15 +243,27 @@ def _serve_http(args: argparse.Namespace, router: Router, grpc_port: int) -> Non
 
     sock = _listening_socket(args.host, args.http_port)
     http_port = sock.getsockname()[1]
-    app = create_app(router.dispatcher, router.registry, router.metrics, router.feed)
-    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=3)
+    app = create_app(router.dispatcher, router.registry, router.metrics, router.feed, keys=args.keys,
+                     max_request_bytes=args.max_request_bytes)
+    config = uvicorn.Config(app, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=max(1, int(args.drain_timeout_s)),
+                            ssl_certfile=args.tls_cert_file, ssl_keyfile=args.tls_key_file)
     print(f"READY grpc={args.host}:{grpc_port} http={args.host}:{http_port}", flush=True)
-    uvicorn.Server(config).run(sockets=[sock])  # handles SIGINT/SIGTERM itself
+    # NOTE: uvicorn handles SIGINT/SIGTERM itself (its HTTP streams drain), then raises the signal again under the
+    # handlers it found: harmless ones, so the gRPC side drains too (`main`'s finally) instead of dying at once
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    server = uvicorn.Server(config)
+    on_signal = server.handle_exit
+
+    def handle_exit(sig, frame) -> None:  # the gRPC door stops taking new requests the moment a signal arrives
+        router.dispatcher.begin_drain()
+        on_signal(sig, frame)
+    server.handle_exit = handle_exit
+    server.run(sockets=[sock])
 
 
 def _wait_for_signal() -> None:
-    import signal
-
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())

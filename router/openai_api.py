@@ -25,13 +25,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from router.auth import ApiKeys, BearerAuth
+from router.body_limit import BodyLimit
 from router.dispatch import Dispatcher
 from router.events_feed import EventsFeed
 from router.request_run import RequestRun
 from router.registry import WorkerRegistry
-from router.openai_request import OpenAIOptions, batch_params, from_chat, from_completion
+from router.openai_request import OpenAIOptions, batch_params, from_chat, from_completion, parse_body
 from router.openai_responses import FINISH_REASONS, Choice, Shape, error_body, error_response, merged_usage
-from router.validation import ApiError, GenerateParams
+from router.validation import MAX_REQUEST_BYTES, ApiError, GenerateParams
 from strata.cache_metrics import CacheTierCollector, Snapshot
 from strata.v1 import common_pb2
 
@@ -123,8 +125,13 @@ async def _next_chunk(it, limiter: anyio.CapacityLimiter):
 
 
 def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: RouterMetrics,
-               feed: EventsFeed | None = None, is_ready: Callable[[], bool] = lambda: True) -> FastAPI:
+               feed: EventsFeed | None = None, is_ready: Callable[[], bool] = lambda: True,
+               keys: ApiKeys = ApiKeys(), max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
+    """`keys`: with any, every route but /health and /metrics wants a known bearer key (`router.auth`).
+    `max_request_bytes`: a larger body is a 413 before it is parsed (`router.body_limit`; 0 = no limit)."""
     app = FastAPI(title="Strata router (OpenAI-compatible)", docs_url=None, redoc_url=None)
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)  # NOTE: added first = inside the key check
+    app.add_middleware(BearerAuth, keys=keys)
     waiters: list[anyio.CapacityLimiter] = []       # made on first use, inside the app's event loop
 
     def _waiters() -> anyio.CapacityLimiter:
@@ -198,18 +205,19 @@ def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: Router
         return _tokenizer(run.params).decode(list(run.prompt), skip_special_tokens=False)
 
     async def _serve(request: Request, params: GenerateParams, options: OpenAIOptions) -> Response:
-        runs = await anyio.to_thread.run_sync(_start, params, options, _identity(request))
+        peer = request.client.host if request.client is not None else ""
+        runs = await anyio.to_thread.run_sync(_start, params, options, _identity(request, keys), peer)
         if options.stream:
             return StreamingResponse(_stream(runs, params, options), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await _whole(runs, params, options)
 
-    def _start(params: GenerateParams, options: OpenAIOptions, identity: str) -> list[RequestRun]:
+    def _start(params: GenerateParams, options: OpenAIOptions, identity: str, peer: str) -> list[RequestRun]:
         """One run per choice; none at all when any cannot start (a full router, a clashing request id)."""
         runs: list[RequestRun] = []
         try:
             for child in batch_params(params, options):
-                runs.append(dispatcher.start(child, identity, None, "http"))
+                runs.append(dispatcher.start(child, identity, None, "http", peer))
         except BaseException:
             for run in runs:
                 dispatcher.finish(run, "not_started", None)
@@ -318,10 +326,7 @@ def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: Router
 
 
 async def _json_body(request: Request) -> Any:
-    try:
-        return json.loads(await request.body() or b"null")
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"the request body is not valid JSON: {exc}") from None
+    return parse_body(await request.body())
 
 
 def _request_id(request: Request) -> str:
@@ -329,6 +334,5 @@ def _request_id(request: Request) -> str:
     return given if 0 < len(given) <= 128 else uuid.uuid4().hex
 
 
-def _identity(request: Request) -> str:
-    auth = request.headers.get("authorization", "")
-    return f"token:{auth}" if auth else "anonymous"
+def _identity(request: Request, keys: ApiKeys) -> str:
+    return keys.identity(request.headers.get("authorization", ""))

@@ -5,13 +5,18 @@
 
 A step that fails (worker gone, UNAVAILABLE, RESOURCE_EXHAUSTED, INTERNAL) is retried on another worker; when no
 attempt is left (or no other worker), the client gets an error status, INTERNAL when the last worker failed the
-request itself, else UNAVAILABLE: a failed request never ends with a finish reason. Every request runs
-with a seed (drawn by validation when the caller set none), so a retry reproduces the same tokens: a retry after
-tokens reached the client reruns the request with `Generate` on another decode worker and forwards only what the
-client does not have yet:
+request itself, else UNAVAILABLE: a failed request never ends with a finish reason. A request that two workers
+failed themselves (INTERNAL, UNKNOWN) fails with that error rather than meet more workers. One failed step never
+takes a worker out of routing: the worker's `Health` is asked, and only a worker that does not answer is reported
+gone (heartbeats do the rest).
 
-    client has:  | t0 t1 t2 |                    rerun on d2:  | t0 t1 t2 | t3 t4 ... |
-                                                              (skipped)   (forwarded)
+Every request runs with a seed (drawn by validation when the caller set none) and sampling is keyed by (seed, output
+position), so a request migrates: after tokens reached the client, a retry sends `Generate` with those tokens as
+`resume_output_ids` to another decode worker, which computes prompt + them (from the store where it holds them) and
+samples on from the next position; the router forwards only what the client does not have yet:
+
+    client has:  | t0 t1 t2 |                    d2 resumes:   | t0 t1 t2 | t3 t4 ... |
+                                                              (computed)  (forwarded)
 
 Cancellation: `cancel()` (client gone, deadline) cancels the worker call in flight and tells the worker to Abort;
 `abort()` (the `Abort` RPC) asks the worker to Abort, so its stream ends with FINISH_REASON_ABORT, which is forwarded
@@ -43,7 +48,10 @@ _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, g
               grpc.StatusCode.UNKNOWN, grpc.StatusCode.ABORTED}
 # NOTE: not INTERNAL: a worker that answers INTERNAL is alive and failed one request (a request that breaks every
 # worker it meets must not take them all out of routing).
-_GONE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN}
+# The worker failed this request itself (its handler or engine step raised): two of these end the request.
+_REQUEST_FAULT = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
+_MAX_REQUEST_FAULTS = 2
+_CONFIRM_GONE_S = 2.0
 _ABORT_GRACE_S = 2.0
 UNSET = common_pb2.FINISH_REASON_UNSPECIFIED
 
@@ -80,6 +88,8 @@ class RequestRun:
         self.hashes = hash_blocks(model.namespace.with_salt(salt).fingerprint(), prompt, model.block_size)
         self.progress = _Progress()
         self.retries = 0
+        self.migrations = 0                    # retries that resumed after tokens the client already had
+        self.client = ""                       # who sent it, for per-client limits (set by the dispatcher)
         self.route = ""
         self.cancelled = threading.Event()
         self.aborted = threading.Event()
@@ -145,6 +155,7 @@ class RequestRun:
     def _attempts(self) -> Iterator[strata_pb2.GenerateResponse]:
         excluded: set[str] = set()
         last: StepFailed | None = None
+        faults = 0
         for _ in range(self.d.config.max_attempts):
             decision = self._route(excluded, last)
             self.route = "disaggregated" if decision.disaggregated else "local"
@@ -163,12 +174,28 @@ class RequestRun:
             except StepFailed as failed:
                 self._check_stopped()
                 excluded.add(failed.worker_id)
-                if failed.code in _GONE:
-                    self.d.registry.report_failure(failed.worker_id, str(failed))
+                self._confirm_gone(failed)
                 last = failed
+                faults += failed.code in _REQUEST_FAULT
+                if faults >= _MAX_REQUEST_FAULTS:
+                    raise _failed(f"request failed on {faults} workers", last)
                 self.retries += 1
                 log.warning("request %s: step failed (%s); retrying on another worker", self.request_id, failed)
         raise _failed(f"request failed on {self.d.config.max_attempts} workers", last)
+
+    def _confirm_gone(self, failed: StepFailed) -> None:
+        """A failed step names a suspect: ask its `Health` (in the background) and report it gone only when it does
+        not answer, so one request's error never takes a healthy worker out of routing."""
+        try:
+            address = self.d.address_of(failed.worker_id)
+        except StepFailed:
+            return  # already out of the registry
+
+        def answered(future) -> None:
+            if future.cancelled() or future.exception() is not None:
+                self.d.registry.report_failure(failed.worker_id, str(failed))
+        future = self.d.channels.stub(address).Health.future(worker_pb2.HealthRequest(), timeout=_CONFIRM_GONE_S)
+        future.add_done_callback(answered)
 
     def _route(self, excluded: set[str], last: StepFailed | None) -> RouteDecision:
         """The next worker(s) to try; after a failed step, no worker left is that step's failure."""
@@ -197,7 +224,8 @@ class RequestRun:
             return
         yield chunk
         request = worker_pb2.DecodeRequest(
-            request_id=self.request_id, token_ids=self.prompt, first_token_id=first.first_token_id, kv=first.kv,
+            request_id=self.request_id, token_ids=self.prompt, first_token_id=first.first_token_id,
+            kv=self._own_handle(p, first.kv),
             sampling=self.sampling, cache_salt=self.salt, skip_text=self.params.skip_text,
             cached_tokens=first.cached_tokens)
         yield from self._stream(d, "Decode", request, prefill=(p, first.timings), work_s=self._decode_work_s())
@@ -225,12 +253,29 @@ class RequestRun:
         self.d.check_namespace(p, response.kv, self.salt, self.model)
         return response
 
+    def _own_handle(self, worker_id: str, kv: common_pb2.KvHandle) -> common_pb2.KvHandle:
+        """The handle as the decode worker may use it: its blocks must be the prefill worker's own, and ReleaseKv
+        goes to that worker's registered address (never to a peer the handle names). A handle that names another
+        worker's blocks is dropped: the decode worker then recomputes the prompt."""
+        kv.lease_worker_address = self.d.address_of(worker_id) if kv.lease_id else ""
+        locations = [*kv.blocks, *([kv.tail] if kv.HasField("tail") else [])]
+        if all(b.worker_id == worker_id for b in locations):
+            return kv
+        log.warning("request %s: prefill worker %s answered a KV handle naming other workers' blocks; dropped "
+                    "(the decode worker recomputes)", self.request_id, worker_id)
+        return common_pb2.KvHandle(namespace_fingerprint=kv.namespace_fingerprint, block_size=kv.block_size)
+
     def _local(self, decision: RouteDecision) -> Iterator[strata_pb2.GenerateResponse]:
+        """`Generate` on the decision's decode worker: the whole request, or its migration (resume after the
+        tokens the client has)."""
         request = worker_pb2.WorkerGenerateRequest(request_id=self.request_id, token_ids=self.prompt,
                                                    sampling=self.sampling, cache_salt=self.salt,
                                                    skip_text=self.params.skip_text,
                                                    max_load_blocks=decision.max_load_blocks,
-                                                   expected_cached_blocks=self._expected_blocks(decision))
+                                                   expected_cached_blocks=self._expected_blocks(decision),
+                                                   resume_output_ids=self.progress.token_ids)
+        if self.progress.token_ids:
+            self.migrations += 1
         yield from self._stream(decision.decode_worker, "Generate", request, prefill=None,
                                 work_s=decision.work_s + self._decode_work_s())
 
@@ -245,8 +290,11 @@ class RequestRun:
                 work_s: float) -> Iterator[strata_pb2.GenerateResponse]:
         """Forward a worker's TokenChunk stream, skipping what the client already has (a rerun after a retry)."""
         address = self.d.address_of(worker_id)
-        rerun_tokens: list[int] = list(self.progress.token_ids[:1]) if method == "Decode" else []
-        rerun_logprobs: list = list(self.progress.logprobs[:1]) if method == "Decode" else []
+        # What the worker's stream continues from: Decode after the first token (its text is the client's); a
+        # migrated Generate after every token the client has, its first text_delta starting with their text.
+        resumed = 1 if method == "Decode" else len(request.resume_output_ids)
+        rerun_tokens: list[int] = list(self.progress.token_ids[:resumed])
+        rerun_logprobs: list = list(self.progress.logprobs[:resumed])
         rerun_text = self.progress.text if method == "Decode" else ""
         prompt_logprobs: Sequence = ()
         self.d.registry.begin(worker_id, work_s)

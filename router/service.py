@@ -18,6 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from router.auth import STRATA_SERVICE, ApiKeys, api_key_check
 from router.cost_model import STORE_TIERS, MeasuredCosts, MeasuredRead
 from router.dispatch import GRPC_OPTIONS, Dispatcher
 from router.served_model import ServedModel
@@ -25,8 +26,10 @@ from router.events_feed import EventsFeed
 from router.index import SHARED_TIERS, TIERS
 from router.registry import (LoadFigures, ModelFacts, SpecFigures, UnknownWorker, WorkerRecord, WorkerRegistry,
                              WorkerView)
-from router.validation import ApiError, from_grpc
+from router.grpc_decode import DecodeErrors
+from router.validation import MAX_REQUEST_BYTES, ApiError, from_grpc
 from strata.v1 import common_pb2, router_pb2, router_pb2_grpc, strata_pb2, strata_pb2_grpc, worker_pb2
+from worker_common.grpc_auth import REGISTRY_SERVICE, CallGuard, metadata_value, secret_check
 
 log = logging.getLogger(__name__)
 
@@ -117,15 +120,20 @@ def view_to_proto(view: WorkerView, models: dict[str, ServedModel]) -> common_pb
 
 
 def _abort_with(context: grpc.ServicerContext, exc: ApiError) -> None:
+    if exc.retry_after_s is not None:  # gRPC's own retry hint (gRFC A6), honoured by retrying clients
+        context.set_trailing_metadata((("grpc-retry-pushback-ms", str(int(exc.retry_after_s * 1000))),))
     context.abort(exc.code, exc.message)
 
 
-def _identity(context: grpc.ServicerContext) -> str:
-    """Who is calling, for the cache salt: the bearer token's digest, or the peer when there is none."""
-    for key, value in context.invocation_metadata() or ():
-        if key == "authorization":
-            return f"token:{value}"
-    return "anonymous"
+def _peer_host(peer: str) -> str:
+    """The caller's host from gRPC's peer string (`ipv4:10.0.0.5:4312`, `ipv6:[::1]:4312`, `unix:...`)."""
+    kind, _, rest = peer.partition(":")
+    return rest.rsplit(":", 1)[0] if kind in ("ipv4", "ipv6") else peer
+
+
+def _identity(context: grpc.ServicerContext, keys: ApiKeys) -> str:
+    """Who is calling, for the cache salt: its tenant with API keys on (`router.auth`), else its bearer header."""
+    return keys.identity(metadata_value(context.invocation_metadata(), "authorization"))
 
 
 # ------------------------------------------------------------------------------------------------ Strata
@@ -138,8 +146,9 @@ MAX_GRPC_STREAMS = 448
 
 class StrataService(strata_pb2_grpc.StrataServicer):
     def __init__(self, dispatcher: Dispatcher, registry: WorkerRegistry, allow_admin: bool = True,
-                 max_streams: int = MAX_GRPC_STREAMS) -> None:
-        self.dispatcher, self.registry, self.allow_admin = dispatcher, registry, allow_admin
+                 max_streams: int = MAX_GRPC_STREAMS, keys: ApiKeys = ApiKeys()) -> None:
+        """`keys`: the API keys `make_grpc_server`'s guard checks; here they name each call's tenant."""
+        self.dispatcher, self.registry, self.allow_admin, self.keys = dispatcher, registry, allow_admin, keys
         self._pool = futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="fanout")
         self.max_streams = max_streams
         self._streams = threading.BoundedSemaphore(max_streams)
@@ -159,7 +168,8 @@ class StrataService(strata_pb2_grpc.StrataServicer):
     def _generate(self, request: strata_pb2.GenerateRequest, context: grpc.ServicerContext):
         try:
             params = from_grpc(request, self.dispatcher.limits)
-            run = self.dispatcher.start(params, _identity(context), context.time_remaining(), door="grpc")
+            run = self.dispatcher.start(params, _identity(context, self.keys), context.time_remaining(), door="grpc",
+                                        peer=_peer_host(context.peer()))
         except ApiError as exc:
             _abort_with(context, exc)
         context.add_callback(run.cancel)  # client cancel or deadline: the workers stop too
@@ -358,6 +368,14 @@ def mark_serving(health_servicer: health.HealthServicer) -> None:
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
 
-def make_grpc_server(max_workers: int = GRPC_THREADS) -> grpc.Server:
+def make_grpc_server(max_workers: int = GRPC_THREADS, keys: ApiKeys = ApiKeys(),
+                     cluster_secret: str = "", max_request_bytes: int = MAX_REQUEST_BYTES) -> grpc.Server:
+    """With `keys`, every `Strata` call wants a known bearer key; with `cluster_secret`, every `Registry` call the
+    fleet secret (UNAUTHENTICATED otherwise). grpc health and reflection stay open. A message over
+    `max_request_bytes` is RESOURCE_EXHAUSTED, one that does not decode INVALID_ARGUMENT (`router.grpc_decode`)."""
+    rules = [(STRATA_SERVICE, api_key_check(keys))] if keys.enabled else []
+    rules += [(REGISTRY_SERVICE, secret_check(cluster_secret))] if cluster_secret else []
+    options = dict(GRPC_OPTIONS) | {"grpc.max_receive_message_length": max_request_bytes or -1}  # 0: no limit
     return grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-                       options=GRPC_OPTIONS)
+                       options=list(options.items()),
+                       interceptors=([CallGuard(rules)] if rules else []) + [DecodeErrors()])

@@ -15,15 +15,21 @@ import typer
 
 def banner(info, config) -> str:
     http = info.http_url
+    keys = config.client_keys().enabled
+    bearer = " -H \"Authorization: Bearer $STRATA_API_KEY\"" if keys else ""
     ranks = f", each {config.expert_parallel} expert-parallel ranks" if config.expert_parallel > 1 else ""
     lines = [f"Strata is serving {info.model} with {config.prefill} prefill + {config.decode} decode workers{ranks}",
              f"  gRPC     {info.grpc_address}      (python: strata.client.StrataClient({info.grpc_address!r}))"]
     if http:
         lines += [f"  OpenAI   {http}/v1",
                   f"  metrics  {http}/metrics",
-                  f"  try:     curl {http}/v1/completions -H 'Content-Type: application/json' "
+                  f"  try:     curl {http}/v1/completions{bearer} -H 'Content-Type: application/json' "
                   f"-d '{{\"model\": \"{info.model}\", \"prompt\": \"def fibonacci(n):\", \"max_tokens\": 32}}'"]
-    lines += [f"  cache:   strata cache stats --router {info.grpc_address}",
+    if config.fleet_tls_ca_file:
+        lines += [f"  TLS:     fleet TLS on every internal link; gRPC clients verify the router with "
+                  f"{config.fleet_tls_ca_file}"]
+    lines += [f"  cache:   strata cache stats --router {info.grpc_address}"
+              + (" --api-key $STRATA_API_KEY" if keys else ""),
               f"SERVING grpc={info.grpc_address} http={http}",
               "Press Ctrl-C to stop."]
     return "\n".join(lines)
@@ -90,6 +96,11 @@ def serve(
     http_port: Optional[int] = typer.Option(None, "--http-port",
                                             help="OpenAI HTTP port (default 8000; 0 = free; -1 = off)"),
     redis_url: Optional[str] = typer.Option(None, "--redis-url", help="add a shared Redis tier"),
+    kv_encryption_key_file: Optional[str] = typer.Option(
+        None, "--kv-encryption-key-file", help="encrypt the workers' disk, Redis and S3 tiers at rest (AES-256-GCM) "
+                                               "with this 32-byte key (raw, or 64 hex characters)"),
+    tier_quota_bytes: Optional[int] = typer.Option(
+        None, "--tier-quota-bytes", help="bytes each namespace (tenant) may hold in each shared tier (0 = none)"),
     s3_url: Optional[str] = typer.Option(None, "--s3-url", callback=_check_s3_url,
                                          help="add a shared S3 tier: s3://BUCKET\\[/PREFIX] or "   # \\[: rich markup escape
                                               "http(s)://HOST:PORT/BUCKET\\[/PREFIX] (S3-compatible server)"),
@@ -126,6 +137,22 @@ def serve(
                                                 help="forwards between expert rebalances (default 0: never)"),
     eplb_window: Optional[int] = typer.Option(None, "--eplb-window", callback=_moe_check("check_eplb_window"),
                                               help="forwards of expert load the rebalancer looks at (default 200)"),
+    api_key: list[str] = typer.Option([], "--api-key", help="a client API key (repeatable; tenant 'default'): "
+                                                            "every gRPC call and /v1 route then needs it"),
+    api_keys_file: Optional[str] = typer.Option(None, "--api-keys-file",
+                                                help="client API keys, one `tenant:key` a line (`#` comments); each "
+                                                     "tenant's prefix cache is its own"),
+    cluster_secret_file: Optional[str] = typer.Option(None, "--cluster-secret-file",
+                                                      help="the fleet secret router and workers share (default: "
+                                                           "$STRATA_CLUSTER_SECRET, else a random one per launch)"),
+    fleet_tls_cert_file: Optional[str] = typer.Option(
+        None, "--fleet-tls-cert-file", help="fleet TLS on every internal link (mTLS to workers, TLS to the router, "
+                                            "tcp transfers over TLS): every part's certificate, signed by the fleet CA "
+                                            "and naming --host"),
+    fleet_tls_key_file: Optional[str] = typer.Option(None, "--fleet-tls-key-file", help="fleet TLS: its private key"),
+    fleet_tls_ca_file: Optional[str] = typer.Option(None, "--fleet-tls-ca-file",
+                                                    help="fleet TLS: the fleet CA; clients of the router's gRPC port "
+                                                         "verify it with this CA too"),
 ) -> None:
     """Start a router and its prefill/decode workers; stop them all on Ctrl-C or SIGTERM."""
     from strata.launcher import LaunchError, LocalLauncher, ServeConfig
@@ -139,14 +166,18 @@ def serve(
                      speculative_adaptive=False if no_speculative_adaptive else None,
                      expert_parallel=expert_parallel, moe_capacity_factor=moe_capacity_factor,
                      moe_overflow=moe_overflow, num_redundant_experts=num_redundant_experts,
-                     eplb_interval=eplb_interval, eplb_window=eplb_window)
+                     eplb_interval=eplb_interval, eplb_window=eplb_window,
+                     kv_encryption_key_file=kv_encryption_key_file, tier_quota_bytes=tier_quota_bytes,
+                     api_keys=tuple(api_key) or None, api_keys_file=api_keys_file,
+                     cluster_secret_file=cluster_secret_file, fleet_tls_cert_file=fleet_tls_cert_file,
+                     fleet_tls_key_file=fleet_tls_key_file, fleet_tls_ca_file=fleet_tls_ca_file)
     try:
         cfg = ServeConfig.from_file(config, **overrides) if config else ServeConfig.from_mapping({}, **overrides)
     except (ValueError, OSError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
     stop = threading.Event()
-    launcher = LocalLauncher(cfg, log=sys.stderr)
+    launcher = LocalLauncher(cfg, log=sys.stderr, env=fleet_secret_env(cfg))
 
     def on_signal(*_) -> None:
         stop.set()
@@ -168,6 +199,19 @@ def serve(
     finally:
         launcher.stop()
     raise typer.Exit(code)
+
+
+def fleet_secret_env(cfg) -> dict[str, str]:
+    """A fresh random fleet secret for this launch's parts (in their environment, never on a command line), unless
+    one is given (`--cluster-secret-file`, or $STRATA_CLUSTER_SECRET to let workers started elsewhere join)."""
+    import os
+    import secrets
+
+    from worker_common.grpc_auth import SECRET_ENV
+
+    if cfg.cluster_secret_file or os.environ.get(SECRET_ENV):
+        return {}
+    return {SECRET_ENV: secrets.token_hex(32)}
 
 
 def exit_code_of(part_code: int | None) -> int:

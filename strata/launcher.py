@@ -34,6 +34,8 @@ from engine.config import CacheConfig, ModelConfig
 from strata import moe_options
 from strata.speculative_options import DEFAULT_NUM_SPECULATIVE_TOKENS, speculative_config, worker_args
 from worker_common.config import TRANSFER_BACKENDS
+from worker_common.fleet_tls import FleetTls
+from worker_common.grpc_auth import SECRET_ENV, read_cluster_secret
 from worker_common.store_setup import s3_config
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -42,6 +44,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 WORKER_READY = re.compile(r"^READY (\S+) role=(\w+) worker_id=(\S+)")
 ROUTER_READY = re.compile(r"^READY grpc=(\S+) http=(\S*)")
 _STOP_GRACE_S = 10.0
+_ROUTER_DRAIN_GRACE_S = 40.0   # the router's default --drain-timeout-s (30 s), and its own exit
 
 
 def _require(ok: bool, message: str) -> None:
@@ -59,7 +62,13 @@ class ServeConfig:
     `speculative_adaptive`: the decode workers' speculative decoding (prefill workers never speculate).
     `expert_parallel` (each prefill and decode worker runs as that many ranks; rank 0 registers and serves the
     group), `moe_capacity_factor`, `moe_overflow`, `num_redundant_experts`, `eplb_interval`, `eplb_window`: both
-    roles' sparse layers (`strata.moe_options`)."""
+    roles' sparse layers (`strata.moe_options`).
+    `api_keys` / `api_keys_file`: the router's client API keys (`router.auth`; none = open doors).
+    `cluster_secret_file`: the fleet secret handed to every part in $STRATA_CLUSTER_SECRET (empty: whatever the
+    environment holds; `strata serve` draws a random one when it holds none).
+    `fleet_tls_cert_file` / `fleet_tls_key_file` / `fleet_tls_ca_file`: fleet TLS on every part (all three or none;
+    `worker_common.fleet_tls`): the certificate must name `host`. The router's gRPC port then speaks TLS too
+    (clients verify it with the fleet CA)."""
 
     model: str | None = None
     prefill: int = 1
@@ -77,6 +86,14 @@ class ServeConfig:
     data_dir: str = ""
     redis_url: str = ""
     s3_url: str = ""
+    kv_encryption_key_file: str = ""    # workers' disk, Redis and S3 tiers sealed at rest with this key
+    tier_quota_bytes: int = 0           # bytes per namespace (tenant) in each shared tier; 0 = none
+    api_keys: tuple[str, ...] = field(default=(), repr=False)   # the router's --api-key (tenant "default")
+    api_keys_file: str = ""             # the router's --api-keys-file (`tenant:key` lines)
+    cluster_secret_file: str = ""       # the fleet secret every part is handed ($STRATA_CLUSTER_SECRET)
+    fleet_tls_cert_file: str = ""       # fleet TLS: every part's certificate, key and the fleet CA (PEM)
+    fleet_tls_key_file: str = ""
+    fleet_tls_ca_file: str = ""
     worker_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
     log_level: str = "WARNING"
@@ -109,6 +126,10 @@ class ServeConfig:
                  f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
         if self.s3_url:
             s3_config(self.s3_url)  # NOTE: here, in the parent: a bad bucket name fails before any process starts
+        _require(self.tier_quota_bytes >= 0, f"tier_quota_bytes must be >= 0 (0 = none), got {self.tier_quota_bytes}")
+        if self.kv_encryption_key_file:
+            from kvstore.sealing import load_key  # lazy: cryptography loads only where encryption is on
+            load_key(self.kv_encryption_key_file)  # NOTE: in the parent too: a bad key file fails before any start
         ModelConfig("-", quantization=self.quantization, quant_group_size=self.quant_group_size)  # names the field
         CacheConfig(kv_cache_dtype=self.kv_cache_dtype)
         # NOTE: here, in the parent: a bad drafter (or a missing draft folder) fails before any process starts
@@ -118,6 +139,22 @@ class ServeConfig:
         _require(self.ready_timeout_s > 0, f"ready_timeout_s must be > 0, got {self.ready_timeout_s}")
         object.__setattr__(self, "worker_args", tuple(self.worker_args))
         object.__setattr__(self, "router_args", tuple(self.router_args))
+        object.__setattr__(self, "api_keys", tuple(self.api_keys))
+        self.client_keys()  # NOTE: in the parent too: a bad keys file fails before any process starts
+        if self.cluster_secret_file:
+            read_cluster_secret(self.cluster_secret_file)
+        self.fleet_tls()  # NOTE: in the parent too: a missing or mismatched file fails before any process starts
+
+    def fleet_tls(self) -> FleetTls:
+        """The fleet TLS files, as absolute paths (the parts run in the repository root, not in our directory)."""
+        files = [os.path.abspath(f) if f else "" for f in (self.fleet_tls_cert_file, self.fleet_tls_key_file,
+                                                            self.fleet_tls_ca_file)]
+        return FleetTls(*files)
+
+    def client_keys(self):
+        """The router's API keys (`router.auth.ApiKeys`; none: the public doors are open)."""
+        from router.auth import ApiKeys  # lazy: the HTTP stack loads only where a router is started
+        return ApiKeys.load(self.api_keys, [self.api_keys_file] if self.api_keys_file else [])
 
     def _moe_values(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name, _, _ in moe_options.OPTIONS}
@@ -156,6 +193,15 @@ def speculative_args(c: ServeConfig) -> list[str]:
                                                        c.speculative_model).draft_model
     return worker_args(c.speculative, c.num_speculative_tokens, str(Path(model).resolve()) if model else None,
                        c.speculative_adaptive)
+
+
+def fleet_tls_args(c: ServeConfig) -> list[str]:
+    """The fleet TLS flags the router and every worker take alike (none when it is off)."""
+    tls = c.fleet_tls()
+    if not tls.enabled:
+        return []
+    return ["--fleet-tls-cert-file", tls.cert_file, "--fleet-tls-key-file", tls.key_file,
+            "--fleet-tls-ca-file", tls.ca_file]
 
 
 def moe_args(c: ServeConfig) -> list[str]:
@@ -298,7 +344,10 @@ class LocalLauncher(Launcher):
         self.log = log or sys.stderr
         environ = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), environ.get("PYTHONPATH")]))
+        if config.cluster_secret_file:  # NOTE: handed down in the environment, never on a command line
+            environ[SECRET_ENV] = read_cluster_secret(config.cluster_secret_file)
         self.env = environ
+        self._keys_file = ""            # the router's --api-key values, in a private file of ours
         self.children: list[_Child] = []
         self._data_dir: Path | None = None
         self._owns_data_dir = False
@@ -382,7 +431,7 @@ class LocalLauncher(Launcher):
                 "--metrics-port", "0"]  # each worker's own /metrics, named on its READY line in the log
         if c.enforce_eager:
             args += ["--enforce-eager"]
-        args += quant_args(c) + moe_args(c)
+        args += quant_args(c) + moe_args(c) + fleet_tls_args(c)
         if role == "decode":
             args += speculative_args(c)
         if c.disk_tier:
@@ -394,6 +443,10 @@ class LocalLauncher(Launcher):
             args += ["--redis-url", c.redis_url]
         if c.s3_url:
             args += ["--s3-url", c.s3_url]
+        if c.kv_encryption_key_file:
+            args += ["--kv-encryption-key-file", os.path.abspath(c.kv_encryption_key_file)]
+        if c.tier_quota_bytes:
+            args += ["--tier-quota-bytes", str(c.tier_quota_bytes)]
         if router_address:
             args += ["--router", router_address]
         return self._spawn(name, role, f"{role}_worker", args + list(c.worker_args), WORKER_READY)
@@ -402,12 +455,27 @@ class LocalLauncher(Launcher):
         c = self.config
         args = ["--model", model, "--host", c.host, "--grpc-port", str(c.grpc_port), "--http-port", str(c.http_port),
                 "--policy", c.policy, "--log-level", "INFO" if c.log_level.upper() in ("DEBUG", "INFO") else "WARNING"]
-        args += quant_args(c)
+        args += quant_args(c) + fleet_tls_args(c)
         if c.local_prefill_max_tokens is not None:
             args += ["--local-prefill-max-tokens", str(c.local_prefill_max_tokens)]
         for address in worker_addresses:
             args += ["--worker", address]
-        return self._spawn("router", "router", "router", args + list(c.router_args), ROUTER_READY)
+        return self._spawn("router", "router", "router", args + self._key_args() + list(c.router_args),
+                           ROUTER_READY)
+
+    def _key_args(self) -> list[str]:
+        """The router's API keys: its keys file, and the `api_keys` written to a private file of ours (0600,
+        removed on stop), never on a command line that `ps` shows."""
+        from router.auth import DEFAULT_TENANT
+
+        c = self.config
+        args = ["--api-keys-file", os.path.abspath(c.api_keys_file)] if c.api_keys_file else []
+        if c.api_keys:
+            fd, self._keys_file = tempfile.mkstemp(prefix="strata-api-keys-")
+            with os.fdopen(fd, "w") as f:
+                f.write("".join(f"{DEFAULT_TENANT}:{key}\n" for key in c.api_keys))
+            args += ["--api-keys-file", self._keys_file]
+        return args
 
     def _wait_registered(self, grpc_address: str, worker_ids: list[str], timeout_s: float = 60.0) -> None:
         """Until the router lists every worker READY (registered, or found by its probe)."""
@@ -415,7 +483,9 @@ class LocalLauncher(Launcher):
         from strata.v1 import common_pb2
 
         deadline, ready = time.monotonic() + timeout_s, set()
-        with StrataClient(grpc_address, timeout_s=5.0) as client:
+        tls = self.config.fleet_tls()
+        with StrataClient(grpc_address, timeout_s=5.0, api_key=self.config.client_keys().any_key(),
+                          credentials=tls.channel_credentials() if tls.enabled else None) as client:
             while not set(worker_ids) <= ready:
                 self._raise_if_one_exited()
                 if time.monotonic() > deadline:
@@ -440,15 +510,24 @@ class LocalLauncher(Launcher):
         return None
 
     def stop(self) -> None:
-        """SIGTERM the router first (no new requests), then the workers; SIGKILL whoever outlives the grace."""
+        """SIGTERM the router first and let it drain (it refuses new requests and finishes those in flight, up
+        to its --drain-timeout-s), then the workers; SIGKILL whoever outlives the grace."""
         if self._stopped:
             return
         self._stopped = True
-        deadline = time.monotonic() + _STOP_GRACE_S
-        for child in sorted(self.children, key=lambda ch: ch.role != "router"):
+        routers = [ch for ch in self.children if ch.role == "router"]
+        for child in routers:
             child.terminate()
-        for child in self.children:
+        for child in routers:
+            child.reap(time.monotonic() + _ROUTER_DRAIN_GRACE_S)
+        deadline = time.monotonic() + _STOP_GRACE_S
+        workers = [ch for ch in self.children if ch.role != "router"]
+        for child in workers:
+            child.terminate()
+        for child in workers:
             child.reap(deadline)
+        if self._keys_file:
+            Path(self._keys_file).unlink(missing_ok=True)
         if self._owns_data_dir and self._data_dir is not None:
             shutil.rmtree(self._data_dir, ignore_errors=True)
         try:

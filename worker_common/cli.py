@@ -11,6 +11,8 @@ from strata import moe_options
 from strata.paths import resolve_draft_model, resolve_model
 from strata.speculative_options import check_num_tokens
 from worker_common.config import TRANSFER_BACKENDS, WorkerConfig
+from worker_common.fleet_tls import add_fleet_tls_flags
+from worker_common.grpc_auth import SECRET_ENV, read_cluster_secret
 from worker_common.store_setup import S3_URL_FORMS, s3_config
 
 
@@ -60,6 +62,12 @@ def checked(convert: Callable[[str], Any], check: Callable[[Any], Any]) -> Calla
     return parse
 
 
+def _non_negative(value: int) -> int:
+    if value < 0:
+        raise ValueError(f"must be >= 0, got {value}")
+    return value
+
+
 def add_moe_flags(p: argparse.ArgumentParser, d: WorkerConfig) -> None:
     p.add_argument("--expert-parallel", type=checked(int, moe_options.check_expert_parallel),
                    default=d.expert_parallel, metavar="N",
@@ -105,6 +113,9 @@ def parse_config(role: str, argv: Sequence[str] | None = None) -> WorkerConfig:
     p.add_argument("--block-size", type=int, default=d.block_size)
     p.add_argument("--num-blocks", type=int, default=d.num_blocks)
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    p.add_argument("--max-requests", type=int, default=d.max_requests,
+                   help="requests this worker holds (running, queued, streaming) before it answers "
+                        "RESOURCE_EXHAUSTED with a retry hint (the router tries another worker)")
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     p.add_argument("--max-model-len", type=int, default=d.max_model_len)
     p.add_argument("--enforce-eager", action="store_true",
@@ -126,6 +137,11 @@ def parse_config(role: str, argv: Sequence[str] | None = None) -> WorkerConfig:
     p.add_argument("--redis-url", default="", help="add a shared Redis tier (written through)")
     p.add_argument("--s3-url", type=s3_url, default="",
                    help=f"add a shared S3 tier (written through): {S3_URL_FORMS} (an S3-compatible server)")
+    p.add_argument("--kv-encryption-key-file", default="", metavar="PATH",
+                   help="encrypt the disk, Redis and S3 tiers at rest (AES-256-GCM) with this 32-byte key "
+                        "(raw, or 64 hex characters)")
+    p.add_argument("--tier-quota-bytes", type=checked(int, _non_negative), default=0, metavar="N",
+                   help="bytes each namespace (tenant) may hold in each shared tier, Redis and S3 (0 = no quota)")
     p.add_argument("--kv-events-endpoint", default=d.kv_events_endpoint,
                    help="ZeroMQ PUB bind of the KV events ('' = no events; port * = free, printed on READY)")
     p.add_argument("--kv-replay-endpoint", default=d.kv_replay_endpoint,
@@ -136,6 +152,11 @@ def parse_config(role: str, argv: Sequence[str] | None = None) -> WorkerConfig:
     p.add_argument("--heartbeat-s", type=float, default=d.heartbeat_s,
                    help="seconds between heartbeats (the router's shorter interval wins)")
     p.add_argument("--model-id", default="", help="model name to register under (default: the folder's name)")
+    p.add_argument("--cluster-secret-file", default=None, metavar="PATH",
+                   help=f"the fleet's shared secret (first line): shown to the router's Registry and to peers, and "
+                        f"wanted on every Worker RPC but Health (default: ${SECRET_ENV}; none = no secret)")
+    add_fleet_tls_flags(p, "this worker serves its gRPC port with it (mTLS: only CA-signed peers connect), dials the "
+                           "router and its peers with it, and runs tcp transfers over TLS")
     p.add_argument("--metrics-port", type=int, default=d.metrics_port,
                    help="Prometheus /metrics over HTTP (0 = a free port, printed on READY; -1 = none)")
     p.add_argument("--log-level", default="WARNING")
@@ -155,6 +176,7 @@ def _config_of(role: str, args: argparse.Namespace) -> WorkerConfig:
         role=role, model=resolve_model(args.model), host=args.host, port=args.port, worker_id=args.worker_id,
         transfer=args.transfer, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_requests=args.max_requests,
         max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
         quantization=args.quantization, quant_group_size=args.quant_group_size, kv_cache_dtype=args.kv_cache_dtype,
         speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
@@ -162,9 +184,13 @@ def _config_of(role: str, args: argparse.Namespace) -> WorkerConfig:
         lease_ttl_s=args.lease_ttl_s, handoff_bytes=args.handoff_mib << 20,
         host_tier_bytes=args.host_tier_mib << 20, transfer_deadline_s=args.transfer_deadline_s,
         disk_path=args.disk_path, redis_url=args.redis_url, s3_url=args.s3_url,
+        kv_encryption_key_file=args.kv_encryption_key_file, tier_quota_bytes=args.tier_quota_bytes,
         kv_events_endpoint=args.kv_events_endpoint, kv_replay_endpoint=args.kv_replay_endpoint,
         router_address=args.router, advertise_host=args.advertise_host, heartbeat_s=args.heartbeat_s,
         model_id=args.model_id, metrics_port=args.metrics_port, expert_parallel=args.expert_parallel,
         ep_rank=args.ep_rank, ep_init=args.ep_init, moe_capacity_factor=args.moe_capacity_factor,
         moe_overflow=args.moe_overflow, num_redundant_experts=args.num_redundant_experts,
-        eplb_interval=args.eplb_interval, eplb_window=args.eplb_window)
+        eplb_interval=args.eplb_interval, eplb_window=args.eplb_window,
+        cluster_secret=read_cluster_secret(args.cluster_secret_file),
+        fleet_tls_cert_file=args.fleet_tls_cert_file, fleet_tls_key_file=args.fleet_tls_key_file,
+        fleet_tls_ca_file=args.fleet_tls_ca_file)

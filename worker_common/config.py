@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.config import CacheConfig, MoEConfig, ModelConfig, SpeculativeConfig
 from strata import moe_options
 from strata.speculative_options import DEFAULT_NUM_SPECULATIVE_TOKENS, speculative_config
+from worker_common.fleet_tls import FleetTls
 
 ROLES = ("prefill", "decode")
 TRANSFER_BACKENDS = ("shm", "tcp", "nixl")
@@ -26,6 +27,9 @@ class WorkerConfig:
     - `handoff_bytes`: the prefill worker's registered region that pinned blocks are served from.
     - `transfer_deadline_s`: the decode worker's bound on one batched KV read before it falls back.
     - `redis_url` / `disk_path` / `s3_url`: optional lower store tiers (`write_through` to them from host).
+    - `kv_encryption_key_file`: a 32-byte key (raw or 64 hex characters); set, the disk, Redis and S3 tiers hold
+      their blocks sealed with AES-256-GCM (kvstore/sealing.py). `tier_quota_bytes`: bytes each namespace (tenant)
+      may hold in each shared tier (Redis, S3); 0 = no quota.
     - `kv_events_endpoint` / `kv_replay_endpoint`: ZeroMQ binds of the KV-event PUB and replay sockets (DESIGN §6);
       `tcp://127.0.0.1:*` picks a free port (printed on READY); an empty `kv_events_endpoint` publishes nothing (and
       binds no replay socket either).
@@ -44,6 +48,14 @@ class WorkerConfig:
       `ep_init` (tcp://HOST:PORT of the group's rendezvous; empty on rank 0 = a free loopback port) are set by rank 0
       for the ranks it starts. `moe_capacity_factor` (None = no limit), `moe_overflow` (drop | next),
       `num_redundant_experts`, `eplb_interval`, `eplb_window`: the sparse layers' `engine.config.MoEConfig`.
+    - `max_requests`: requests the worker holds at once (each holds one of its `grpc_threads` while it runs or
+      streams); past it RESOURCE_EXHAUSTED with a retry hint, and the threads left answer Health, Stats, ReleaseKv
+      and Abort however busy it is.
+    - `cluster_secret`: the fleet's shared secret (empty = none): required on the router's Registry, on every
+      Worker RPC but Health, and on tcp transfer reads; `strata serve` draws one per launch.
+    - `fleet_tls_cert_file` / `fleet_tls_key_file` / `fleet_tls_ca_file`: fleet TLS (all three or none;
+      worker_common.fleet_tls): the gRPC port serves mTLS, the registration and peer channels dial with TLS, and
+      the tcp transfer's connections are TLS both ways.
     """
 
     role: str
@@ -73,13 +85,16 @@ class WorkerConfig:
     disk_path: str = ""
     redis_url: str = ""
     s3_url: str = ""
+    kv_encryption_key_file: str = ""
+    tier_quota_bytes: int = 0
     kv_events_endpoint: str = "tcp://127.0.0.1:*"
     kv_replay_endpoint: str = "tcp://127.0.0.1:*"
     router_address: str = ""
     advertise_host: str = ""
     heartbeat_s: float = 2.0
     model_id: str = ""
-    grpc_threads: int = 128
+    grpc_threads: int = 512
+    max_requests: int = 448
     metrics_port: int = -1
     expert_parallel: int = 1
     ep_rank: int = 0
@@ -89,6 +104,10 @@ class WorkerConfig:
     num_redundant_experts: int = 0
     eplb_interval: int = 0
     eplb_window: int = 200
+    cluster_secret: str = field(default="", repr=False)   # NOTE: never in a log line or a traceback
+    fleet_tls_cert_file: str = ""
+    fleet_tls_key_file: str = ""
+    fleet_tls_ca_file: str = ""
 
     def __post_init__(self) -> None:
         ModelConfig(self.model or "-", dtype=self.dtype, quantization=self.quantization,
@@ -107,11 +126,18 @@ class WorkerConfig:
         _require(self.handoff_bytes >= 1 << 20, f"handoff_bytes must be >= 1 MiB, got {self.handoff_bytes}")
         _require(self.host_tier_bytes >= 1 << 20, f"host_tier_bytes must be >= 1 MiB, got {self.host_tier_bytes}")
         _require(1 <= self.grpc_threads <= 1024, f"grpc_threads must be in [1, 1024], got {self.grpc_threads}")
+        _require(1 <= self.max_requests <= self.grpc_threads - 16,
+                 f"max_requests must be in [1, grpc_threads - 16 = {self.grpc_threads - 16}] (each request holds a "
+                 f"gRPC thread; the rest answer Health, Stats, ReleaseKv and Abort), got {self.max_requests}")
         _require(not self.redis_url or self.redis_url.startswith(("redis://", "rediss://", "unix://")),
                  f"redis_url must be empty or start with redis://, rediss:// or unix://, got {self.redis_url!r}")
         _require(not self.s3_url or self.s3_url.startswith(("s3://", "http://", "https://")),
                  f"s3_url must be empty or s3://BUCKET[/PREFIX] or http(s)://HOST:PORT/BUCKET[/PREFIX], "
                  f"got {self.s3_url!r}")
+        _require(self.tier_quota_bytes >= 0, f"tier_quota_bytes must be >= 0 (0 = none), got {self.tier_quota_bytes}")
+        if self.kv_encryption_key_file:
+            from kvstore.sealing import load_key  # NOTE: lazy: cryptography loads only where encryption is on
+            load_key(self.kv_encryption_key_file)  # a bad key file fails here, naming it, before the model loads
         for name in ("kv_events_endpoint", "kv_replay_endpoint"):
             value = getattr(self, name)
             _require(not value or value.startswith(("tcp://", "ipc://", "inproc://")),
@@ -122,6 +148,11 @@ class WorkerConfig:
         _require(not self.router_address or ":" in self.router_address,
                  f"router_address must be empty or HOST:PORT, got {self.router_address!r}")
         self._check_expert_parallel()
+        self.fleet_tls()                                              # validates the three files together
+
+    def fleet_tls(self) -> FleetTls:
+        """The fleet TLS files (`enabled` False: plain text on every internal link)."""
+        return FleetTls(self.fleet_tls_cert_file, self.fleet_tls_key_file, self.fleet_tls_ca_file)
 
     def _check_expert_parallel(self) -> None:
         self.moe_config()                                             # validates the MoE fields, naming them

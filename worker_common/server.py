@@ -32,6 +32,7 @@ from worker_common.convert import InvalidArgument
 from worker_common.engine_loop import EngineLoop, Failure, Tracked
 from worker_common.read_costs import ReadCostMeter
 from worker_common.engine_setup import EngineBundle, build_engine
+from worker_common.grpc_auth import worker_guard
 from worker_common.kv_events import WorkerEvents
 from worker_common.registration import RouterLink, advertised
 from worker_common.moe_stats import MoECollector
@@ -82,6 +83,10 @@ class WorkerBase(worker_pb2_grpc.WorkerServicer):
         with self._inflight_lock:
             if request_id in self._inflight:
                 context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already in flight")
+            if len(self._inflight) >= self.config.max_requests:
+                context.set_trailing_metadata((("grpc-retry-pushback-ms", "1000"),))
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"worker {self.worker_id} holds its limit of "
+                              f"{self.config.max_requests} requests (--max-requests); retry on another worker")
             self._inflight[request_id] = tracked
 
     def unclaim(self, request_id: str) -> None:
@@ -196,7 +201,8 @@ class WorkerBase(worker_pb2_grpc.WorkerServicer):
             return
         self.router_link = RouterLink(self.config.router_address, self.info, load or self.load,
                                       lambda: self.events.num_published, self.config.heartbeat_s,
-                                      self._drained_by_router, idle or self._idle, speculative=self.speculative_stats)
+                                      self._drained_by_router, idle or self._idle, speculative=self.speculative_stats,
+                                      cluster_secret=self.config.cluster_secret, tls=self.config.fleet_tls())
         self.router_link.start()
 
     def _drained_by_router(self) -> None:
@@ -221,11 +227,12 @@ def serve(service: WorkerBase, extra_ready: str = "", front: Any = None, ready_s
     install instead of `service` (an expert-parallel group's `worker_common.ep_front.EPFront`, whose `load` and
     `idle` the router link then reports); `ready_suffix`: fields after the READY line's own."""
     config = service.config
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.grpc_threads), options=GRPC_OPTIONS)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.grpc_threads), options=GRPC_OPTIONS,
+                         interceptors=worker_guard(config.cluster_secret))  # every RPC but Health wants it
     worker_pb2_grpc.add_WorkerServicer_to_server(front or service, server)
     health_servicer = service.health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    port = config.fleet_tls().add_port(server, f"{config.host}:{config.port}")  # fleet TLS: mTLS, else plain
     if port == 0:
         raise OSError(f"could not bind {config.host}:{config.port}")
     service.address = f"{config.host}:{port}"

@@ -34,9 +34,10 @@ class StreamingRequest(Tracked):
     """Engine-thread side: turns each `RequestOutput` into a `StreamEvent` on `events` (read by the handler)."""
 
     def __init__(self, text: TextStream, params: SamplingParams,
-                 on_finish: Callable[["StreamingRequest"], None] | None = None) -> None:
+                 on_finish: Callable[["StreamingRequest"], None] | None = None, carry_text: str = "") -> None:
         super().__init__(None)  # the request is set when the engine thread admits it
         self.text, self.params, self.on_finish = text, params, on_finish
+        self.carry_text = carry_text  # text of a migrated request's earlier tokens: goes out with the first event
         self.events: queue.Queue[StreamEvent] = queue.Queue()
         self.first_output_at: float | None = None
         self.last_output_at: float | None = None
@@ -62,7 +63,8 @@ class StreamingRequest(Tracked):
             prompt_logprobs, self._prompt_logprobs_sent = tuple(output.prompt_logprobs[1:]), True
         # NOTE: a stop string inside a multi-token (speculative) step ends the request at its token: the rest go
         dropped = len(output.new_token_ids) - delta.num_tokens
-        self.events.put(StreamEvent(list(output.new_token_ids[:delta.num_tokens]), delta.text, reason, stop,
+        text, self.carry_text = self.carry_text + delta.text, ""
+        self.events.put(StreamEvent(list(output.new_token_ids[:delta.num_tokens]), text, reason, stop,
                                     output.completion_tokens - dropped, output.num_cached_tokens, "",
                                     tuple(output.new_logprobs or ())[:delta.num_tokens], prompt_logprobs))
         return delta.stop_str is not None

@@ -37,6 +37,14 @@ class TextStream:
         self._detok = Detokenizer(tokenizer, prompt_token_ids, params) if needed else None
         self._emit = not skip_text
 
+    def resume(self, ids: Sequence[int]) -> str:
+        """Replay tokens another worker already streamed (request migration): their text as this stream would
+        release it, for the caller to put in front of the next delta (the router drops what the client has)."""
+        delta = self.push(ids, False)
+        if delta.stop_str is not None:
+            raise ValueError(f"resume_output_ids already end the request at stop string {delta.stop_str!r}")
+        return delta.text
+
     def push(self, new_ids: Sequence[int], engine_finished: bool) -> TextDelta:
         """Text released by these tokens; flushed when the engine already finished the request."""
         if self._detok is None:

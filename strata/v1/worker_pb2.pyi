@@ -76,7 +76,7 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., kv: _Optional[_Union[_common_pb2.KvHandle, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., skip_text: _Optional[bool] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class WorkerGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "cache_salt", "skip_text", "max_load_blocks", "expected_cached_blocks")
+    __slots__ = ("request_id", "token_ids", "sampling", "cache_salt", "skip_text", "max_load_blocks", "expected_cached_blocks", "resume_output_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +84,7 @@ class WorkerGenerateRequest(_message.Message):
     SKIP_TEXT_FIELD_NUMBER: _ClassVar[int]
     MAX_LOAD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -91,7 +92,8 @@ class WorkerGenerateRequest(_message.Message):
     skip_text: bool
     max_load_blocks: int
     expected_cached_blocks: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., skip_text: _Optional[bool] = ..., max_load_blocks: _Optional[int] = ..., expected_cached_blocks: _Optional[int] = ...) -> None: ...
+    resume_output_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., skip_text: _Optional[bool] = ..., max_load_blocks: _Optional[int] = ..., expected_cached_blocks: _Optional[int] = ..., resume_output_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
     __slots__ = ("request_id", "token_ids", "text_delta", "finish_reason", "usage", "stop_str", "stop_token_id", "timings", "blocks_transferred", "blocks_from_store", "blocks_recomputed", "kv_fallback_reason", "logprobs", "prompt_logprobs", "tail_tokens_transferred")

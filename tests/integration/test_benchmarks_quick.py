@@ -11,7 +11,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ["engine_throughput.py", "kvstore_bench.py", "transfer_bench.py", "transfer_ab.py", "routing_sim.py", "ttft_breakdown.py",
-              "moe_bench.py", "ttft_tiers.py", "quant_bench.py", "spec_bench.py"]
+              "moe_bench.py", "ttft_tiers.py", "quant_bench.py", "spec_bench.py", "soak.py",
+              "tenant_probe.py"]
 
 
 @pytest.mark.parametrize("script", BENCHMARKS)

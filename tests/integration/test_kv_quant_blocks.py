@@ -82,7 +82,7 @@ class Exported:
 def run_admitted(bundle: EngineBundle, hashes, payloads, first: int, tail=None) -> tuple[list[int], list[int]]:
     """Admit PROMPT with the given blocks (and tail) and run it to the end: (tokens, installed device block ids)."""
     loop, tracked = EngineLoop(bundle), Tracked(None)
-    installed = admit(loop, tracked, "decode", PROMPT, PARAMS, bundle.fingerprint_for(""), hashes, payloads, first,
+    installed = admit(loop, tracked, "decode", PROMPT, PARAMS, bundle.fingerprint_for(""), hashes, payloads, [first],
                       tail)
     outputs = []
     while bundle.engine.has_unfinished():

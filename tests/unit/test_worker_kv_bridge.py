@@ -51,7 +51,7 @@ def run_admitted(bundle, prompt, params, hashes, payloads, first_token):
     loop = EngineLoop(bundle)
     tracked = Tracked(None)
     installed = admit(loop, tracked, "r", prompt, params, bundle.fingerprint_for(""), hashes, payloads,
-                      first_token)
+                      [first_token])
     outputs = []
     while bundle.engine.has_unfinished():
         outputs += bundle.engine.step()
