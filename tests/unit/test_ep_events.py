@@ -10,6 +10,7 @@ from kvstore.events.subscriber import ZmqEventSubscriber
 from kvstore.hashing import hash_blocks
 from worker_common.ep_events import EventRelay, RankHoldings
 from worker_common.ep_front import PREFIX_LOAD_SLACK, EPFront
+from worker_common.fleet_tls import FleetTls
 
 BLOCK = 4
 ROOT = b"\x01" * 16
@@ -46,7 +47,8 @@ def test_prefix_lengths_count_leading_blocks_held_in_any_of_a_ranks_own_tiers():
 
 def make_front(holdings: RankHoldings) -> EPFront:
     bundle = SimpleNamespace(fingerprint_for=lambda salt: ROOT, block_size=BLOCK)
-    local = SimpleNamespace(bundle=bundle, config=SimpleNamespace(block_size=BLOCK, cluster_secret=""), worker_id="w",
+    config = SimpleNamespace(block_size=BLOCK, cluster_secret="", fleet_tls=FleetTls)  # FleetTls(): off
+    local = SimpleNamespace(bundle=bundle, config=config, worker_id="w",
                             draining=False, address="")
     return EPFront(local, ["127.0.0.1:1", "127.0.0.1:2"], holdings=holdings)
 
