@@ -14,11 +14,18 @@ an error reply, a message past `MAX_REQUEST_BYTES` drops the connection. The pay
 into the socket (`page_splice`: no copy at all on the owner, `sendmsg` where splicing is unavailable), and the reader
 receives it straight into its destination buffers. With TLS (`tcp_tls.py`, the fleet's certificates) the same
 messages run inside TLS records, the payload encrypted from region memory instead of spliced.
+
+Stalled peers: once a message has started (its length prefix is readable), all of it must arrive within
+`recv_timeout_s`, and each send of the reply may wait at most that long for room in a reader that stopped reading;
+past either the connection is closed and its slot (one of `MAX_CONNECTIONS`) freed. Between messages a connection
+may idle up to `idle_timeout_s`, much longer: a reader keeps one pooled connection per owner between reads, and
+checks before each request that the owner has not closed it (`tcp.py`), reconnecting if it has.
 """
 from __future__ import annotations
 
 import itertools
 import logging
+import select
 import socket
 import struct
 import threading
@@ -46,6 +53,8 @@ LENGTH = struct.Struct("!I")
 TIMEVAL = struct.Struct("@ll")
 _RECV_IOV_BYTES = 2 << 20        # buffers offered to one recvmsg_into: more than a socket buffer holds at once
 _ACCEPT_POLL_S = 0.05
+RECV_TIMEOUT_S = 30.0            # a started message must arrive within this (a reader sends one in microseconds)
+IDLE_TIMEOUT_S = 600.0           # a connection with no message for this long is closed (readers reconnect)
 
 log = logging.getLogger(__name__)
 
@@ -180,10 +189,15 @@ class TcpServer:
     """Serves `regions` (shared with the agent, guarded by `lock`) until `stop()`."""
 
     def __init__(self, host: str, port: int, regions: dict[str, MemoryRegion], lock: threading.Lock,
-                 leases: LeaseBook, key: bytes = b"", tls: ssl.SSLContext | None = None) -> None:
+                 leases: LeaseBook, key: bytes = b"", tls: ssl.SSLContext | None = None, *,
+                 recv_timeout_s: float = RECV_TIMEOUT_S, idle_timeout_s: float = IDLE_TIMEOUT_S) -> None:
         """`key`: the fleet secret's bytes; set, every request must carry its proof (`tcp_request.py`). `tls`: the
         owner's TLS context (`tcp_tls.server_context`); set, every connection is TLS and payloads are encrypted
-        copies instead of spliced pages."""
+        copies instead of spliced pages. `recv_timeout_s` / `idle_timeout_s`: see the module docstring."""
+        for name, value in (("recv_timeout_s", recv_timeout_s), ("idle_timeout_s", idle_timeout_s)):
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {value}")
+        self._recv_timeout_s, self._idle_timeout_s = recv_timeout_s, idle_timeout_s
         self._regions, self._lock, self._leases, self._key, self._tls = regions, lock, leases, key, tls
         self._listener = socket.create_server(("" if host == "*" else host, port), backlog=128)
         self._listener.settimeout(_ACCEPT_POLL_S)
@@ -231,20 +245,28 @@ class TcpServer:
 
     def _serve(self, conn: socket.socket) -> None:
         sender = PageSender()
+        bounded = TlsBounded(conn) if self._tls is not None else Bounded(conn)
         try:
             if self._tls is not None:
                 handshake(conn)
             while not self._stop.is_set():
-                header = recv_header(conn, eof_ok=True, max_bytes=MAX_REQUEST_BYTES)
+                if not wait_readable(conn, self._idle_timeout_s):
+                    return  # idle past idle_timeout_s: the slot goes back (a pooled reader reconnects)
+                until = time.monotonic() + self._recv_timeout_s
+                header = recv_header(conn, eof_ok=True, max_bytes=MAX_REQUEST_BYTES,
+                                     fill=lambda view: bounded.recv_all([view], until))
                 if header is None:
                     return
                 reply, payload, addresses = self._answer(header)
+                bounded.check(time.monotonic() + self._recv_timeout_s)  # NOTE: bounds each send call's wait for room
                 if self._tls is not None:
                     send_tls(conn, LENGTH.pack(len(reply)) + reply, payload)
                 else:
                     sender.send(conn, LENGTH.pack(len(reply)) + reply, payload, addresses)
         except ssl.SSLError as e:  # a plain-text reader, or a certificate the fleet CA did not sign: refused
             log.info("tcp transfer server on port %d refused a TLS connection: %s", self.port, e)
+        except (socket.timeout, BlockingIOError):  # BlockingIOError: a send's SO_SNDTIMEO ran out
+            log.info("tcp transfer server on port %d closed a stalled connection (past its timeout)", self.port)
         except OSError:
             pass  # the reader went away (or stop() closed us, or sent a message past the limit): nothing to answer
         except Exception:  # noqa: BLE001 - a peer must never take the server down: drop this connection only
@@ -294,6 +316,16 @@ class TcpServer:
 
 def _error_reply(request_id: int | None, error: TransferError) -> bytes:
     return msgpack.packb([request_id, [type(error).__name__, str(error), error.desc_index]])
+
+
+def wait_readable(sock: socket.socket, timeout_s: float) -> bool:
+    """Whether `sock` has something to read (bytes, EOF or an error) within `timeout_s`; a TLS socket's decrypted
+    bytes already buffered count. Waits in `poll` (no descriptor limit, unlike `select`)."""
+    if isinstance(sock, ssl.SSLSocket) and sock.pending():
+        return True
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(timeout_s * 1000))
 
 
 def close_socket(sock: socket.socket) -> None:

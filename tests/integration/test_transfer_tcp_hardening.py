@@ -4,12 +4,13 @@ over real loopback sockets (the spawned-owner tests are in test_transfer_tcp.py,
 from __future__ import annotations
 
 import socket
+import time
 
 import msgpack
 import pytest
 
-from kvstore.transfer import (AccessDenied, LeaseRequired, MalformedRequest, MemoryRegion, TransferConfig,
-                              TransferError, create_agent)
+from kvstore.transfer import (AccessDenied, LeaseRequired, MalformedRequest, MemoryRegion, PeerUnavailable,
+                              TransferConfig, TransferError, create_agent)
 from kvstore.transfer import tcp_server
 from kvstore.transfer.tcp_request import MAX_READS_PER_REQUEST, PROOF_BYTES, decode_request, encode_request
 from kvstore.transfer.tcp_server import LENGTH, MAX_REQUEST_BYTES, recv_header
@@ -161,6 +162,100 @@ def test_connections_past_the_limit_are_closed_and_the_server_serves_on(owner, m
             with socket.create_connection(("127.0.0.1", port_of(handle)), timeout=5) as third:
                 assert third.recv(1) == b""  # the third is closed at once
         assert_serves(first, handle, lease)
+
+
+# ------------------------------------------------------------------------------------------------- stalled peers
+
+def make_short_timeout_owner(recv_timeout_s: float = 0.3, idle_timeout_s: float = 600.0):
+    agent = create_agent(TransferConfig(backend="tcp", options=(("recv_timeout_s", str(recv_timeout_s)),
+                                                                 ("idle_timeout_s", str(idle_timeout_s)))))
+    region = MemoryRegion.from_buffer("pool", bytearray(bytes(range(256)) * (REGION // 256)))
+    handle = agent.register(region)
+    return agent, handle, agent.grant_lease("pool", [(0, REGION)], ttl_s=60.0)
+
+
+def closed_within(sock: socket.socket, seconds: float) -> float:
+    """How long until the owner closed `sock` (fails past `seconds`)."""
+    start = time.monotonic()
+    sock.settimeout(seconds)
+    assert sock.recv(1) == b""
+    return time.monotonic() - start
+
+
+@pytest.mark.parametrize("sent", [LENGTH.pack(64), LENGTH.pack(64)[:2], LENGTH.pack(MAX_REQUEST_BYTES) + b"0123"])
+def test_a_message_that_stalls_once_started_is_closed_within_the_receive_timeout(sent):
+    """A length prefix (whole or half) and then silence, or an announced 8 MiB that stops after 4 bytes: the owner
+    closes the connection once `recv_timeout_s` (0.3 s here) has passed since the message began."""
+    agent, handle, lease = make_short_timeout_owner()
+    try:
+        with socket.create_connection(("127.0.0.1", port_of(handle)), timeout=5) as sock:
+            sock.sendall(sent)
+            assert 0.2 <= closed_within(sock, 10.0) < 5.0
+        assert_serves(agent, handle, lease)
+    finally:
+        agent.close()
+
+
+def test_a_connection_idle_between_messages_is_not_held_to_the_receive_timeout():
+    """Idle time is not message time: a connection silent for 3x `recv_timeout_s` before its request is served."""
+    agent, handle, lease = make_short_timeout_owner()
+    try:
+        with socket.create_connection(("127.0.0.1", port_of(handle)), timeout=5) as sock:
+            time.sleep(1.0)
+            body = encode_request(1, [["pool", 0, 4, lease]], b"")
+            sock.sendall(LENGTH.pack(len(body)) + body)
+            assert msgpack.unpackb(recv_header(sock)) == [1, None]
+            assert sock.recv(4, socket.MSG_WAITALL) == bytes(range(4))
+    finally:
+        agent.close()
+
+
+def test_a_pooled_reader_reconnects_after_the_owner_closes_its_idle_connection():
+    """The owner closes connections idle past `idle_timeout_s`; the reader's next read notices (before sending)
+    and carries it on a fresh connection instead of failing."""
+    agent, handle, lease = make_short_timeout_owner(idle_timeout_s=0.2)
+    try:
+        with create_agent(TransferConfig(backend="tcp")) as reader:
+            assert_serves(reader, handle, lease)
+            time.sleep(0.6)  # the owner has closed the pooled connection by now
+            assert_serves(reader, handle, lease)
+            assert_serves(reader, handle, lease)
+    finally:
+        agent.close()
+
+
+def test_stalled_connections_past_the_slot_limit_free_their_slots_for_a_real_reader():
+    """MAX_CONNECTIONS + 8 peers each announce a body and stall: every slot is taken (the extra ones are refused),
+    and once the receive timeout has passed they are all closed and a real reader is served."""
+    agent, handle, lease = make_short_timeout_owner(recv_timeout_s=1.0)
+    stalled = []
+    try:
+        for _ in range(tcp_server.MAX_CONNECTIONS + 8):
+            sock = socket.create_connection(("127.0.0.1", port_of(handle)), timeout=5)
+            sock.sendall(LENGTH.pack(64))
+            stalled.append(sock)
+        deadline = time.monotonic() + 20.0
+        with create_agent(TransferConfig(backend="tcp")) as reader:
+            while True:  # NOTE: refused while the slots are held; the timeout frees them, no tight timing here
+                try:
+                    assert_serves(reader, handle, lease)
+                    break
+                except PeerUnavailable:
+                    assert time.monotonic() < deadline, "the stalled connections still hold every slot"
+                    time.sleep(0.2)
+        for sock in stalled:
+            assert closed_within(sock, 10.0) < 10.0
+    finally:
+        for sock in stalled:
+            sock.close()
+        agent.close()
+
+
+def test_a_receive_timeout_that_is_not_positive_is_refused():
+    with pytest.raises(ValueError, match="recv_timeout_s must be > 0"):
+        create_agent(TransferConfig(backend="tcp", options=(("recv_timeout_s", "0"),)))
+    with pytest.raises(ValueError, match="idle_timeout_s must be a number"):
+        create_agent(TransferConfig(backend="tcp", options=(("idle_timeout_s", "soon"),)))
 
 
 # --------------------------------------------------------------------------------------------------- large batches
