@@ -1,8 +1,9 @@
 """`python -m router --grpc-port 50051 --http-port 8000 --worker HOST:PORT ...`: serve until SIGTERM/SIGINT.
 
-Prints one line launchers and tests wait for, once both ports accept connections:
+Prints one line launchers and tests wait for, once every port accepts connections (`registry=`: where workers
+register, the gRPC address itself without --registry-port; a field appended last, so older readers still match):
 
-    READY grpc=127.0.0.1:50051 http=127.0.0.1:8000
+    READY grpc=127.0.0.1:50051 http=127.0.0.1:8000 registry=127.0.0.1:50052
 """
 from __future__ import annotations
 
@@ -23,11 +24,12 @@ from router.dispatch import DispatchConfig, Dispatcher
 from engine.config import KV_CACHE_DTYPES, QUANT_GROUP_SIZES, QUANTIZATION_SCHEMES
 from router.served_model import QuantChoice, ServedModel, cost_config_for
 from router.events_feed import EventsFeed, SharedIndex
+from router.grpc_ports import SHARED, GrpcPorts, open_grpc_ports
 from router.openai_api import RouterMetrics, create_app
 from router.policy import POLICIES, get_policy
 from router.registry import RegistryConfig, WorkerRegistry
 from router.validation import MAX_REQUEST_BYTES
-from router.service import RegistryService, StrataService, add_services, make_grpc_server, mark_serving
+from router.service import RegistryService, StrataService
 from router.worker_probe import WorkerProbe
 from strata.cache_metrics import ask_workers
 from strata.paths import resolve_model
@@ -43,6 +45,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                                 "Registry, OpenAI-compatible HTTP, prefix-aware routing.")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--grpc-port", type=int, default=50051, help="0 = a free port (printed on READY)")
+    p.add_argument("--registry-port", type=int, default=SHARED,
+                   help="serve the workers' Registry on a port of its own (0 = a free port, printed on READY as "
+                        "registry=), with fleet mTLS when --fleet-tls-* is given; default -1: on the gRPC port")
+    p.add_argument("--registry-host", default=None, help="the registry port's interface (default: --host)")
     p.add_argument("--http-port", type=int, default=8000, help="0 = a free port; -1 = no HTTP API")
     p.add_argument("--worker", action="append", default=[], metavar="HOST:PORT",
                    help="a worker to probe (repeatable); workers may also register themselves")
@@ -95,10 +101,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error(str(exc))
     if bool(args.tls_cert_file) != bool(args.tls_key_file):
         p.error("--tls-cert-file and --tls-key-file go together: give both or neither")
-    if args.tls_cert_file and args.fleet_tls.enabled:
+    if not SHARED <= args.registry_port <= 65535:
+        p.error(f"--registry-port must be in [-1, 65535] (0 = a free port, -1 = on the gRPC port), "
+                f"got {args.registry_port}")
+    if args.registry_port > 0 and args.registry_port == args.grpc_port:
+        p.error(f"--registry-port must differ from --grpc-port ({args.grpc_port}), or be -1 to share it")
+    if args.tls_cert_file and args.fleet_tls.enabled and args.registry_port == SHARED:
         p.error("--tls-cert-file and --fleet-tls-* cannot both serve the router's one gRPC port (public clients and "
-                "registering workers share it): give --fleet-tls-* alone (public clients then verify the router "
-                "with the fleet CA), or --tls-* alone")
+                "registering workers share it): give --registry-port (the workers' port then speaks fleet mTLS, the "
+                "public one --tls-*), or --fleet-tls-* alone (public clients then verify the router with the fleet "
+                "CA), or --tls-* alone")
     return args
 
 
@@ -116,9 +128,9 @@ def add_access_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-cert-file", default=None, metavar="PEM", help="serve gRPC and HTTP over TLS with this "
                                                                         "certificate (chain) ...")
     p.add_argument("--tls-key-file", default=None, metavar="PEM", help="... and this private key")
-    add_fleet_tls_flags(p, "the router dials every worker with it (mTLS) and serves its gRPC port with it (TLS; "
-                           "no client certificate asked for there, since public clients share the port: the Registry "
-                           "relies on the fleet secret)")
+    add_fleet_tls_flags(p, "the router dials every worker with it (mTLS); the --registry-port speaks it with "
+                           "client certificates required (mTLS); the gRPC port speaks it (no client certificate "
+                           "asked for: public clients share it) unless --tls-* is given")
 
 
 @dataclass
@@ -193,52 +205,33 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s router %(levelname)s %(name)s: %(message)s")
     router = build_router(args)
-    server = make_grpc_server(keys=args.keys, cluster_secret=args.cluster_secret,
-                              max_request_bytes=args.max_request_bytes)
-    health = add_services(server, router.strata, router.registry_service)
-    grpc_port = _add_grpc_port(server, args)
-    if grpc_port == 0:
-        raise SystemExit(f"router: cannot bind gRPC port {args.host}:{args.grpc_port}")
-    server.start()
+    ports = open_grpc_ports(args, router.strata, router.registry_service)
     router.probe.start()
     stop = threading.Event()
     threading.Thread(target=_sweeper, args=(router, stop), name="registry-sweep", daemon=True).start()
-    mark_serving(health)
+    ports.mark_serving()
     try:
         if args.http_port < 0:
-            print(f"READY grpc={args.host}:{grpc_port} http=", flush=True)
+            print(_ready_line(ports, ""), flush=True)
             _wait_for_signal()
         else:
-            _serve_http(args, router, grpc_port)
+            _serve_http(args, router, ports)
     finally:
-        health.enter_graceful_shutdown()
+        ports.enter_graceful_shutdown()
         left = router.dispatcher.drain(args.drain_timeout_s)  # NOTE: gRPC streams in flight finish first
         if left:
             log.warning("%d requests still in flight after %.0f s of draining: cancelled", left,
                         args.drain_timeout_s)
         stop.set()
         router.close()
-        server.stop(grace=3).wait(4)
+        ports.stop(grace_s=3)
 
 
-def _add_grpc_port(server, args: argparse.Namespace) -> int:
-    """The one gRPC port (the public Strata service and the workers' Registry share it): over TLS with
-    --tls-cert-file / --tls-key-file, or with fleet TLS (--fleet-tls-*). NOTE: with fleet TLS no client certificate
-    is asked for here (`require_client_auth=False`): public clients connect over TLS, verifying the router with the
-    fleet CA, and the Registry is kept to the fleet by the fleet secret; the workers' own ports are full mTLS."""
-    address = f"{args.host}:{args.grpc_port}"
-    if args.fleet_tls.enabled:
-        return args.fleet_tls.add_port(server, address, require_client_auth=False)
-    if not args.tls_cert_file:
-        return server.add_insecure_port(address)
-    import grpc
-
-    with open(args.tls_key_file, "rb") as key, open(args.tls_cert_file, "rb") as cert:
-        credentials = grpc.ssl_server_credentials([(key.read(), cert.read())])
-    return server.add_secure_port(address, credentials)
+def _ready_line(ports: GrpcPorts, http_address: str) -> str:
+    return f"READY grpc={ports.public_address} http={http_address} registry={ports.registry_address}"
 
 
-def _serve_http(args: argparse.Namespace, router: Router, grpc_port: int) -> None:
+def _serve_http(args: argparse.Namespace, router: Router, ports: GrpcPorts) -> None:
     import uvicorn
 
     sock = _listening_socket(args.host, args.http_port)
@@ -248,7 +241,7 @@ def _serve_http(args: argparse.Namespace, router: Router, grpc_port: int) -> Non
     config = uvicorn.Config(app, log_level="warning", access_log=False,
                             timeout_graceful_shutdown=max(1, int(args.drain_timeout_s)),
                             ssl_certfile=args.tls_cert_file, ssl_keyfile=args.tls_key_file)
-    print(f"READY grpc={args.host}:{grpc_port} http={args.host}:{http_port}", flush=True)
+    print(_ready_line(ports, f"{args.host}:{http_port}"), flush=True)
     # NOTE: uvicorn handles SIGINT/SIGTERM itself (its HTTP streams drain), then raises the signal again under the
     # handlers it found: harmless ones, so the gRPC side drains too (`main`'s finally) instead of dying at once
     for sig in (signal.SIGTERM, signal.SIGINT):

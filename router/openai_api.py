@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 import uuid
 from dataclasses import replace
@@ -113,15 +114,36 @@ def _sse(obj: Any) -> bytes:
 
 # ------------------------------------------------------------------------------------------------ the app
 
-# NOTE: a stream waits for its next chunk in a worker thread. anyio's default limiter (40 threads) is shared with
-# every other blocking call of the app, so 40 streams waiting on a slow worker would stall all other requests:
-# chunk waits get a limiter of their own, as large as the streams the router admits.
-STREAM_WAITERS = 1024
+async def _chunks(run: RequestRun) -> AsyncIterator:
+    """A run's chunks on the event loop. One thread of its own drives the blocking stream and hands each chunk over
+    (`call_soon_threadsafe`): no thread-pool hop per chunk, and nothing shared with the app's other blocking calls
+    (anyio's 40-thread default limiter), so streams stuck on a slow worker never stall other requests. The buffer
+    holds at most the request's own tokens."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
 
+    def hand_over(item: tuple) -> None:
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:
+            pass  # the loop is closed (shutdown): nobody is reading
 
-async def _next_chunk(it, limiter: anyio.CapacityLimiter):
-    """The next chunk of a blocking iterator, in a worker thread; None at the end."""
-    return await anyio.to_thread.run_sync(next, it, None, limiter=limiter)
+    def drive() -> None:
+        try:
+            for chunk in run.events():
+                hand_over((chunk, None))
+            hand_over((None, None))
+        except BaseException as exc:  # noqa: BLE001 - handed to the reader, which raises it
+            hand_over((None, exc))
+
+    threading.Thread(target=drive, name=f"http-stream-{run.request_id}", daemon=True).start()
+    while True:
+        chunk, error = await queue.get()
+        if error is not None:
+            raise error
+        if chunk is None:
+            return
+        yield chunk
 
 
 def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: RouterMetrics,
@@ -132,12 +154,6 @@ def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: Router
     app = FastAPI(title="Strata router (OpenAI-compatible)", docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)  # NOTE: added first = inside the key check
     app.add_middleware(BearerAuth, keys=keys)
-    waiters: list[anyio.CapacityLimiter] = []       # made on first use, inside the app's event loop
-
-    def _waiters() -> anyio.CapacityLimiter:
-        if not waiters:
-            waiters.append(anyio.CapacityLimiter(STREAM_WAITERS))
-        return waiters[0]
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -225,9 +241,8 @@ def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: Router
         return runs
 
     async def _collect(run: RequestRun) -> tuple[Choice, common_pb2.Usage]:
-        it = run.events()
         text, logprobs, prompt_logprobs, finish, usage = [], [], [], None, common_pb2.Usage()
-        while (chunk := await _next_chunk(it, _waiters())) is not None:
+        async for chunk in _chunks(run):
             text.append(chunk.text_delta)
             logprobs.extend(chunk.logprobs)
             prompt_logprobs.extend(chunk.prompt_logprobs)
@@ -266,9 +281,8 @@ def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: Router
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(index: int, run: RequestRun) -> None:
-            it = run.events()
             try:
-                while (chunk := await _next_chunk(it, _waiters())) is not None:
+                async for chunk in _chunks(run):
                     await queue.put((index, chunk, None))
                 await queue.put((index, None, None))
             except Exception as exc:  # noqa: BLE001 - any failure ends the stream with an error body, never a hang

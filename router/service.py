@@ -12,7 +12,7 @@ import logging
 import math
 import threading
 from concurrent import futures
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, NamedTuple, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -138,8 +138,8 @@ def _identity(context: grpc.ServicerContext, keys: ApiKeys) -> str:
 
 # ------------------------------------------------------------------------------------------------ Strata
 
-# The router's gRPC threads, and how many of them client streams may hold: the rest answer heartbeats, registration,
-# admin and short calls however many streams are open.
+# The router's gRPC threads, and how many of them client streams may hold: the rest answer heartbeats, registration
+# (when the Registry shares the public port: no --registry-port), admin and short calls however many streams are open.
 GRPC_THREADS = 512
 MAX_GRPC_STREAMS = 448
 
@@ -349,23 +349,42 @@ class RegistryService(router_pb2_grpc.RegistryServicer):
         return router_pb2.DeregisterResponse()
 
 
-def add_services(server: grpc.Server, strata: StrataService, registry: RegistryService) -> health.HealthServicer:
-    strata_pb2_grpc.add_StrataServicer_to_server(strata, server)
-    router_pb2_grpc.add_RegistryServicer_to_server(registry, server)
+STRATA_NAME = strata_pb2.DESCRIPTOR.services_by_name["Strata"].full_name
+REGISTRY_NAME = router_pb2.DESCRIPTOR.services_by_name["Registry"].full_name
+
+
+class ServedHealth(NamedTuple):
+    """A server's grpc health servicer and the services it answers SERVING for once `mark_serving` runs."""
+
+    servicer: health.HealthServicer
+    services: tuple[str, ...]
+
+
+def add_services(server: grpc.Server, strata: StrataService | None, registry: RegistryService | None,
+                 reflect: bool = True) -> ServedHealth:
+    """The given services (None: not on this server, so its calls are UNIMPLEMENTED here), grpc health, and with
+    `reflect` server reflection. The public port takes `strata` (and `registry` when it has no port of its own);
+    the registry port (`router.grpc_ports`) takes `registry` alone."""
+    names = []
+    if strata is not None:
+        strata_pb2_grpc.add_StrataServicer_to_server(strata, server)
+        names.append(STRATA_NAME)
+    if registry is not None:
+        router_pb2_grpc.add_RegistryServicer_to_server(registry, server)
+        names.append(REGISTRY_NAME)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = (strata_pb2.DESCRIPTOR.services_by_name["Strata"].full_name,
-             router_pb2.DESCRIPTOR.services_by_name["Registry"].full_name,
-             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
-    reflection.enable_server_reflection(names, server)
-    return health_servicer
+    if reflect:
+        reflection.enable_server_reflection(
+            (*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+    return ServedHealth(health_servicer, tuple(names))
 
 
-def mark_serving(health_servicer: health.HealthServicer) -> None:
-    """SERVING for the server as a whole ("") and for each service by its name, as grpc health clients ask."""
-    for name in ("", strata_pb2.DESCRIPTOR.services_by_name["Strata"].full_name,
-                 router_pb2.DESCRIPTOR.services_by_name["Registry"].full_name):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+def mark_serving(served: ServedHealth) -> None:
+    """SERVING for the server as a whole ("") and for each service it serves by its name, as grpc health clients
+    ask."""
+    for name in ("", *served.services):
+        served.servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
 
 def make_grpc_server(max_workers: int = GRPC_THREADS, keys: ApiKeys = ApiKeys(),

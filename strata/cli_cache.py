@@ -1,7 +1,8 @@
 """Operator commands (issue 5 item 7): `strata cache stats|evict|flush` and `strata workers`.
 
 Each talks to the router's gRPC API (`--router`, or `STRATA_ROUTER`, default 127.0.0.1:50051), with `--api-key` (or
-`STRATA_API_KEY`) when the router has API keys.
+`STRATA_API_KEY`) when the router has API keys, and `--ca-file` (or `STRATA_CA_FILE`) when its gRPC port speaks TLS
+(`--tls-*`, or fleet TLS: then the fleet CA).
 
     strata cache stats [--worker W] [--tier T] [--json] [--watch SECONDS]
     strata cache evict [--worker W] [--tier T] (--bytes N | --hash HEX ... | --hashes-from FILE) [--demote]
@@ -25,6 +26,7 @@ cache_app = typer.Typer(help="Inspect and administer the KV-cache tiers of every
 
 _ROUTER_HELP = "router gRPC address (default: $STRATA_ROUTER or 127.0.0.1:50051)"
 _API_KEY_HELP = "the router's API key, when it has any (default: $STRATA_API_KEY)"
+_CA_FILE_HELP = "dial the router over TLS, verifying it against this PEM CA (default: $STRATA_CA_FILE; else plain)"
 _STATES = {0: "unspecified", 1: "ready", 2: "draining", 3: "dead"}
 _ROLES = {0: "unspecified", 1: "prefill", 2: "decode", 3: "both"}
 
@@ -45,9 +47,15 @@ def evict_timeout_s(num_hashes: int) -> float:
     return 60.0 + 0.02 * num_hashes
 
 
-def _client(router: Optional[str], timeout_s: float = 10.0, api_key: Optional[str] = None):
+def _client(router: Optional[str], timeout_s: float = 10.0, api_key: Optional[str] = None,
+            ca_file: Optional[str] = None):
+    """A client of the router; a CA file that cannot be read is a usage error (exit 2) naming the option."""
     from strata.client import StrataClient
-    return StrataClient(router, timeout_s=timeout_s, api_key=api_key)
+    try:
+        return StrataClient(router, timeout_s=timeout_s, api_key=api_key, ca_file=ca_file)
+    except ValueError as exc:
+        typer.echo(f"error: {str(exc).replace('ca_file', '--ca-file', 1)}", err=True)
+        raise typer.Exit(2)
 
 
 def _fail(exc: Exception, router: Optional[str]) -> None:
@@ -56,7 +64,7 @@ def _fail(exc: Exception, router: Optional[str]) -> None:
 
     if isinstance(exc, grpc.RpcError):
         where = router or default_address()
-        hint = {grpc.StatusCode.UNAVAILABLE: " (is `strata serve` running?)",
+        hint = {grpc.StatusCode.UNAVAILABLE: " (is `strata serve` running? over TLS: pass --ca-file)",
                 grpc.StatusCode.UNAUTHENTICATED: " (pass --api-key or set STRATA_API_KEY)"}.get(exc.code(), "")
         typer.echo(f"error: {exc.code().name} from the router at {where}{hint}: {exc.details()}", err=True)
         raise typer.Exit(1)
@@ -141,6 +149,7 @@ def stats_table(data: dict[str, Any]):
 def stats(
     router: Optional[str] = typer.Option(None, "--router", help=_ROUTER_HELP),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="STRATA_API_KEY", help=_API_KEY_HELP),
+    ca_file: Optional[str] = typer.Option(None, "--ca-file", envvar="STRATA_CA_FILE", help=_CA_FILE_HELP),
     worker: list[str] = typer.Option([], "--worker", help="only this worker (repeatable)"),
     tier: str = typer.Option("", "--tier", help="only this tier: device, host, disk, redis, s3"),
     as_json: bool = typer.Option(False, "--json", help="print JSON (one object; one line per refresh with --watch)"),
@@ -150,7 +159,7 @@ def stats(
     dropped background writes, writes refused by a namespace's quota (shared tiers), latency percentiles; per
     worker: background writes pending."""
     console = _console()
-    with _client(router, api_key=api_key) as client:
+    with _client(router, api_key=api_key, ca_file=ca_file) as client:
         def snapshot() -> dict[str, Any]:
             try:
                 return stats_dict(client.cache_stats(worker, tier), client.address)
@@ -234,6 +243,7 @@ def _read_text(path: str) -> str:
 def evict(
     router: Optional[str] = typer.Option(None, "--router", help=_ROUTER_HELP),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="STRATA_API_KEY", help=_API_KEY_HELP),
+    ca_file: Optional[str] = typer.Option(None, "--ca-file", envvar="STRATA_CA_FILE", help=_CA_FILE_HELP),
     worker: str = typer.Option("", "--worker", help="only this worker (default: every worker)"),
     tier: str = typer.Option("", "--tier", help="only this tier (default: every local tier; redis/s3 only when "
                                                 "named)"),
@@ -252,7 +262,7 @@ def evict(
     if bool(num_bytes) == bool(hashes):
         typer.echo("error: give exactly one of --bytes N and --hash HEX / --hashes-from FILE", err=True)
         raise typer.Exit(2)
-    with _client(router, timeout or evict_timeout_s(len(hashes)), api_key) as client:
+    with _client(router, timeout or evict_timeout_s(len(hashes)), api_key, ca_file) as client:
         try:
             results = client.evict_cache(worker, tier, hashes, num_bytes, demote)
         except Exception as exc:  # noqa: BLE001
@@ -264,6 +274,7 @@ def evict(
 def flush(
     router: Optional[str] = typer.Option(None, "--router", help=_ROUTER_HELP),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="STRATA_API_KEY", help=_API_KEY_HELP),
+    ca_file: Optional[str] = typer.Option(None, "--ca-file", envvar="STRATA_CA_FILE", help=_CA_FILE_HELP),
     worker: str = typer.Option("", "--worker", help="only this worker (default: every worker)"),
     tier: str = typer.Option("", "--tier", help="only this tier (default: every local tier; redis/s3 only when "
                                                 "named)"),
@@ -277,7 +288,7 @@ def flush(
         what = f"the shared {tier} tier (every worker's blocks)"
     if not yes and sys.stdin.isatty() and not typer.confirm(f"Flush {what}?"):
         raise typer.Exit(1)
-    with _client(router, timeout, api_key) as client:
+    with _client(router, timeout, api_key, ca_file) as client:
         try:
             results = client.flush_cache(worker, tier)
         except Exception as exc:  # noqa: BLE001
@@ -316,6 +327,7 @@ def _speculative_cell(spec: dict[str, Any] | None) -> str:
 def workers(
     router: Optional[str] = typer.Option(None, "--router", help=_ROUTER_HELP),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="STRATA_API_KEY", help=_API_KEY_HELP),
+    ca_file: Optional[str] = typer.Option(None, "--ca-file", envvar="STRATA_CA_FILE", help=_CA_FILE_HELP),
     role: Optional[str] = typer.Option(None, "--role", help="only prefill or decode workers"),
     include_dead: bool = typer.Option(False, "--all", help="also list dead workers"),
     as_json: bool = typer.Option(False, "--json"),
@@ -323,7 +335,7 @@ def workers(
     """The workers registered with the router: role, state, address, load, tiers, speculative decoding."""
     from rich.table import Table
 
-    with _client(router, api_key=api_key) as client:
+    with _client(router, api_key=api_key, ca_file=ca_file) as client:
         try:
             rows = [worker_dict(w) for w in client.workers(role, include_dead)]
         except Exception as exc:  # noqa: BLE001

@@ -25,12 +25,16 @@ def banner(info, config) -> str:
                   f"  metrics  {http}/metrics",
                   f"  try:     curl {http}/v1/completions{bearer} -H 'Content-Type: application/json' "
                   f"-d '{{\"model\": \"{info.model}\", \"prompt\": \"def fibonacci(n):\", \"max_tokens\": 32}}'"]
+    if info.registry_address and info.registry_address != info.grpc_address:
+        lines += [f"  workers  {info.registry_address}      (the router's registry port: other workers join with "
+                  f"--router {info.registry_address})"]
     if config.fleet_tls_ca_file:
         lines += [f"  TLS:     fleet TLS on every internal link; gRPC clients verify the router with "
                   f"{config.fleet_tls_ca_file}"]
     lines += [f"  cache:   strata cache stats --router {info.grpc_address}"
-              + (" --api-key $STRATA_API_KEY" if keys else ""),
-              f"SERVING grpc={info.grpc_address} http={http}",
+              + (" --api-key $STRATA_API_KEY" if keys else "")
+              + (f" --ca-file {config.fleet_tls_ca_file}" if config.fleet_tls_ca_file else ""),
+              f"SERVING grpc={info.grpc_address} http={http} registry={info.registry_address or info.grpc_address}",
               "Press Ctrl-C to stop."]
     return "\n".join(lines)
 
@@ -95,6 +99,9 @@ def serve(
     grpc_port: Optional[int] = typer.Option(None, "--grpc-port", help="router gRPC port (default 50051; 0 = free)"),
     http_port: Optional[int] = typer.Option(None, "--http-port",
                                             help="OpenAI HTTP port (default 8000; 0 = free; -1 = off)"),
+    registry_port: Optional[int] = typer.Option(None, "--registry-port",
+                                                help="the router's port for workers to register at (default 0 = "
+                                                     "free; -1 = the gRPC port, shared with clients)"),
     redis_url: Optional[str] = typer.Option(None, "--redis-url", help="add a shared Redis tier"),
     kv_encryption_key_file: Optional[str] = typer.Option(
         None, "--kv-encryption-key-file", help="encrypt the workers' disk, Redis and S3 tiers at rest (AES-256-GCM) "
@@ -158,7 +165,8 @@ def serve(
     from strata.launcher import LaunchError, LocalLauncher, ServeConfig
 
     overrides = dict(prefill=prefill, decode=decode, model=model, host=host, grpc_port=grpc_port, http_port=http_port,
-                     redis_url=redis_url, s3_url=s3_url, data_dir=data_dir, transfer=transfer, policy=policy,
+                     registry_port=registry_port, redis_url=redis_url, s3_url=s3_url, data_dir=data_dir,
+                     transfer=transfer, policy=policy,
                      log_level=log_level, disk_tier=False if no_disk else None,
                      enforce_eager=True if enforce_eager else None, quantization=quantization,
                      quant_group_size=quant_group_size, kv_cache_dtype=kv_cache_dtype, speculative=speculative,

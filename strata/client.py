@@ -5,11 +5,13 @@
             print(chunk.text_delta, end="")
         result = client.generate("Hello", max_tokens=8)        # Completion(text, token_ids, finish_reason, usage)
         client.cache_stats(); client.workers(); client.flush_cache(tier="host")
+    StrataClient("router.example:50051", ca_file="ca.pem")      # a router whose gRPC port speaks TLS (--tls-*)
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterator, Sequence
 
 import grpc
@@ -19,8 +21,13 @@ from worker_common.grpc_auth import SECRET_METADATA, attach_metadata
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 API_KEY_ENV = "STRATA_API_KEY"
+CA_FILE_ENV = "STRATA_CA_FILE"
 _ROLES = {"prefill": common_pb2.WORKER_ROLE_PREFILL, "decode": common_pb2.WORKER_ROLE_DECODE,
           "both": common_pb2.WORKER_ROLE_BOTH}
+
+
+def _channel(address: str, credentials: grpc.ChannelCredentials | None) -> grpc.Channel:
+    return grpc.insecure_channel(address) if credentials is None else grpc.secure_channel(address, credentials)
 
 
 def default_address() -> str:
@@ -70,21 +77,39 @@ def sampling(max_tokens: int | None = None, temperature: float = 0.0, top_p: flo
     return msg
 
 
+def tls_credentials(ca_file: str | None = None) -> grpc.ChannelCredentials | None:
+    """TLS credentials that verify the router against the PEM CA certificate(s) in `ca_file` (None: `$STRATA_CA_FILE`;
+    neither: None, plain text). ValueError naming the file when it cannot be read."""
+    path = os.environ.get(CA_FILE_ENV, "") if ca_file is None else ca_file
+    if not path:
+        return None
+    try:
+        return grpc.ssl_channel_credentials(root_certificates=Path(path).read_bytes())
+    except OSError as exc:
+        raise ValueError(f"ca_file {path!r} cannot be read: {exc.strerror}") from None
+
+
 class StrataClient:
     def __init__(self, address: str | None = None, timeout_s: float = 60.0, api_key: str | None = None,
-                 cluster_secret: str = "", credentials: grpc.ChannelCredentials | None = None) -> None:
+                 cluster_secret: str = "", credentials: grpc.ChannelCredentials | None = None,
+                 ca_file: str | None = None, registry_address: str | None = None) -> None:
         """`api_key`: sent as `authorization: Bearer KEY` on every call (None: `$STRATA_API_KEY`, if set);
         `cluster_secret`: the fleet secret, for the Registry calls (`drain`) of a router that has one;
-        `credentials`: dial over TLS with these (`grpc.ssl_channel_credentials`; None: plain text)."""
+        `credentials`: dial over TLS with these (`grpc.ssl_channel_credentials`); without them, `ca_file` (None:
+        `$STRATA_CA_FILE`, if set): TLS verifying the router against that PEM CA; neither: plain text.
+        `registry_address`: the router's registry port (`--registry-port`), where `registry` / `drain` go (None:
+        `address`, a router whose Registry shares its gRPC port); dialled with the same credentials."""
         self.address = address or default_address()
         self.timeout_s = timeout_s
         key = os.environ.get(API_KEY_ENV, "") if api_key is None else api_key
-        self._channel = (grpc.insecure_channel(self.address) if credentials is None
-                         else grpc.secure_channel(self.address, credentials))
+        credentials = credentials or tls_credentials(ca_file)
+        self._channel = _channel(self.address, credentials)
         bearer = f"Bearer {key}" if key else ""
         self.stub = strata_pb2_grpc.StrataStub(attach_metadata(self._channel, [("authorization", bearer)]))
+        self._registry_channel = (_channel(registry_address, credentials)
+                                  if registry_address and registry_address != self.address else None)
         secret = [(SECRET_METADATA, cluster_secret)]
-        self.registry = router_pb2_grpc.RegistryStub(attach_metadata(self._channel, secret))
+        self.registry = router_pb2_grpc.RegistryStub(attach_metadata(self._registry_channel or self._channel, secret))
 
     # ---- generation -------------------------------------------------------------------------------------------
 
@@ -153,6 +178,8 @@ class StrataClient:
 
     def close(self) -> None:
         self._channel.close()
+        if self._registry_channel is not None:
+            self._registry_channel.close()
 
     def __enter__(self) -> "StrataClient":
         return self

@@ -1,10 +1,11 @@
 """Launchers: start a router and its prefill/decode workers, wait until they serve, stop them all (DESIGN §9).
 
 `LocalLauncher` runs every part as a local process (what `strata serve` does): the router first, then the workers
-in parallel, each with host + disk tiers (and Redis / S3 when given), registering with the router (`--router`) and
-publishing their KV events to it. Every child's output is printed with its name in front; the launcher waits for
-each READY line, then until the router lists every worker READY. A part that exits during start-up ends the start at
-once (`LaunchError` with its name, exit code and last lines of output), whichever part the launcher was waiting for.
+in parallel, each with host + disk tiers (and Redis / S3 when given), registering with the router (`--router`: its
+registry port, `ServeConfig.registry_port`) and publishing their KV events to it. Every child's output is printed
+with its name in front; the launcher waits for each READY line, then until the router lists every worker READY. A
+part that exits during start-up ends the start at once (`LaunchError` with its name, exit code and last lines of
+output), whichever part the launcher was waiting for.
 `stop()` (Ctrl-C, SIGTERM) ends every child and whatever it started (each child leads its own process group):
 SIGTERM, a grace period, then SIGKILL; children also die with the launcher (Linux PDEATHSIG).
 
@@ -42,9 +43,15 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # NOTE: children are started with fork(); gRPC's fork support is turned off in `strata/__init__.py` (why: there).
 
 WORKER_READY = re.compile(r"^READY (\S+) role=(\w+) worker_id=(\S+)")
-ROUTER_READY = re.compile(r"^READY grpc=(\S+) http=(\S*)")
+ROUTER_READY = re.compile(r"^READY grpc=(\S+) http=(\S*)(?: registry=(\S+))?")
 _STOP_GRACE_S = 10.0
 _ROUTER_DRAIN_GRACE_S = 40.0   # the router's default --drain-timeout-s (30 s), and its own exit
+
+
+def registry_of(router_ready: re.Match) -> str:
+    """Where workers register, from the router's READY line: its `registry=` field, else (a router that prints
+    none) its gRPC address."""
+    return router_ready.group(3) or router_ready.group(1)
 
 
 def _require(ok: bool, message: str) -> None:
@@ -68,7 +75,9 @@ class ServeConfig:
     environment holds; `strata serve` draws a random one when it holds none).
     `fleet_tls_cert_file` / `fleet_tls_key_file` / `fleet_tls_ca_file`: fleet TLS on every part (all three or none;
     `worker_common.fleet_tls`): the certificate must name `host`. The router's gRPC port then speaks TLS too
-    (clients verify it with the fleet CA)."""
+    (clients verify it with the fleet CA), and its registry port mTLS.
+    `registry_port`: the router's port for the workers' Registry (`router.grpc_ports`; 0 = a free one, -1 = the
+    gRPC port, shared with clients as before); registering workers are pointed at it."""
 
     model: str | None = None
     prefill: int = 1
@@ -76,6 +85,7 @@ class ServeConfig:
     host: str = "127.0.0.1"
     grpc_port: int = 50051
     http_port: int = 8000
+    registry_port: int = 0
     transfer: str = "shm"
     policy: str = "kv_aware"
     local_prefill_max_tokens: int | None = 64
@@ -120,6 +130,8 @@ class ServeConfig:
         _require(0 <= self.grpc_port <= 65535, f"grpc_port must be in [0, 65535] (0 = free), got {self.grpc_port}")
         _require(-1 <= self.http_port <= 65535, f"http_port must be in [-1, 65535] (0 = free, -1 = off), "
                                                 f"got {self.http_port}")
+        _require(-1 <= self.registry_port <= 65535, f"registry_port must be in [-1, 65535] (0 = free, -1 = on the "
+                                                    f"gRPC port), got {self.registry_port}")
         _require(self.transfer in TRANSFER_BACKENDS,
                  f"transfer must be one of {', '.join(TRANSFER_BACKENDS)}, got {self.transfer!r}")
         _require(not self.redis_url or self.redis_url.startswith(("redis://", "rediss://", "unix://")),
@@ -223,6 +235,7 @@ class ClusterInfo:
     http_url: str                       # "" when the HTTP API is off
     model: str
     processes: tuple[Endpoint, ...] = field(default_factory=tuple)
+    registry_address: str = ""          # where workers register: the router's registry port, or `grpc_address`
 
 
 class LaunchError(RuntimeError):
@@ -377,8 +390,8 @@ class LocalLauncher(Launcher):
         # NOTE: registering workers need the router's address first; probed ones are named to the router instead.
         router = self._spawn_router(model, []) if c.register_workers else None
         router_match = self._wait_ready([router], c.ready_timeout_s)[0] if router is not None else None
-        router_address = router_match.group(1) if router_match is not None else ""
-        workers = [self._spawn_worker(role, i, model, router_address)
+        registry_address = registry_of(router_match) if router_match is not None else ""
+        workers = [self._spawn_worker(role, i, model, registry_address)
                    for role, n in (("prefill", c.prefill), ("decode", c.decode)) for i in range(n)]
         endpoints = [Endpoint(m.group(3), child.role, m.group(1), child.proc.pid)
                      for child, m in zip(workers, self._wait_ready(workers, c.ready_timeout_s))]
@@ -387,8 +400,9 @@ class LocalLauncher(Launcher):
             router_match = self._wait_ready([router], c.ready_timeout_s)[0]
         grpc_address, http = router_match.group(1), router_match.group(2)
         info = ClusterInfo(grpc_address, f"http://{http}" if http else "", Path(model).name,
-                           (Endpoint("router", "router", grpc_address, router.proc.pid), *endpoints))
-        self._wait_registered(grpc_address, [e.name for e in endpoints])
+                           (Endpoint("router", "router", grpc_address, router.proc.pid), *endpoints),
+                           registry_of(router_match))
+        self._wait_registered(grpc_address, [e.name for e in endpoints])  # ListWorkers: the public port
         return info
 
     def _wait_ready(self, waiting: list[_Child], timeout_s: float) -> list[re.Match]:
@@ -454,7 +468,8 @@ class LocalLauncher(Launcher):
     def _spawn_router(self, model: str, worker_addresses: list[str]) -> _Child:
         c = self.config
         args = ["--model", model, "--host", c.host, "--grpc-port", str(c.grpc_port), "--http-port", str(c.http_port),
-                "--policy", c.policy, "--log-level", "INFO" if c.log_level.upper() in ("DEBUG", "INFO") else "WARNING"]
+                "--registry-port", str(c.registry_port), "--policy", c.policy,
+                "--log-level", "INFO" if c.log_level.upper() in ("DEBUG", "INFO") else "WARNING"]
         args += quant_args(c) + fleet_tls_args(c)
         if c.local_prefill_max_tokens is not None:
             args += ["--local-prefill-max-tokens", str(c.local_prefill_max_tokens)]
@@ -484,7 +499,7 @@ class LocalLauncher(Launcher):
 
         deadline, ready = time.monotonic() + timeout_s, set()
         tls = self.config.fleet_tls()
-        with StrataClient(grpc_address, timeout_s=5.0, api_key=self.config.client_keys().any_key(),
+        with StrataClient(grpc_address, timeout_s=5.0, api_key=self.config.client_keys().any_key(), ca_file="",
                           credentials=tls.channel_credentials() if tls.enabled else None) as client:
             while not set(worker_ids) <= ready:
                 self._raise_if_one_exited()

@@ -3,9 +3,11 @@ fleet's CA signed (`--fleet-tls-cert-file / --fleet-tls-key-file / --fleet-tls-c
 
     router ──channel(CA, its cert)──> worker gRPC port      mTLS: the worker requires a CA-signed client cert
     decode ──channel(CA, its cert)──> prefill gRPC port     mTLS (ReleaseKv)
-    worker ──channel(CA, its cert)──> router gRPC port      TLS, verified against the CA; the Registry also wants the
-                                                            fleet secret (the port is shared with public clients, so
-                                                            it does not require a client cert: see router/__main__.py)
+    worker ──channel(CA, its cert)──> router registry port  mTLS (`--registry-port`: the workers' own port); the
+                                                            Registry also wants the fleet secret
+    worker ──channel(CA, its cert)──> router gRPC port      without --registry-port: TLS, verified against the CA, no
+                                                            client cert required (public clients share the port: see
+                                                            router/grpc_ports.py); the fleet secret keeps it closed
     decode ──ssl(CA, its cert)──────> prefill tcp transfer  mTLS (kvstore/transfer/tcp_tls.py)
 
 Certificates name hosts: each process's certificate must name (SAN DNS or IP) the host its peers dial it at, since

@@ -36,6 +36,11 @@ class Cluster:
     def http_url(self) -> str:
         return self.info.http_url
 
+    @property
+    def registry_address(self) -> str:
+        """Where workers register: the router's registry port (the launcher gives it one by default)."""
+        return self.info.registry_address or self.info.grpc_address
+
     def worker(self, role: str) -> worker_pb2_grpc.WorkerStub:
         """A direct stub to the first worker of a role (to check what the worker itself saw)."""
         address = next(p.address for p in self.info.processes if p.role == role)

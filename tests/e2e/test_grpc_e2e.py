@@ -30,7 +30,7 @@ def fresh(prompt: str) -> str:
 
 @pytest.fixture(scope="module")
 def client(cluster):
-    with StrataClient(cluster.grpc_address, timeout_s=60) as c:
+    with StrataClient(cluster.grpc_address, timeout_s=60, registry_address=cluster.registry_address) as c:
         yield c
 
 
@@ -270,16 +270,20 @@ def test_models_workers_and_cache_stats(client):
 
 
 def test_health_and_reflection(cluster):
-    channel = grpc.insecure_channel(cluster.grpc_address)
-    for service in ("", "strata.v1.Strata", "strata.v1.Registry"):
-        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
-        assert health.status == health_pb2.HealthCheckResponse.SERVING, service
-    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-    (answer,) = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
-                                          timeout=5)
+    """The public port serves Strata (health, reflection); the Registry lives on the registry port (its own health)."""
+    for address, services in ((cluster.grpc_address, ("", "strata.v1.Strata")),
+                              (cluster.registry_address, ("", "strata.v1.Registry"))):
+        with grpc.insecure_channel(address) as channel:
+            for service in services:
+                health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                                   timeout=5)
+                assert health.status == health_pb2.HealthCheckResponse.SERVING, (address, service)
+    with grpc.insecure_channel(cluster.grpc_address) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        (answer,) = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                              timeout=5)
     names = {s.name for s in answer.list_services_response.service}
-    assert {"strata.v1.Strata", "strata.v1.Registry", "grpc.health.v1.Health"} <= names
-    channel.close()
+    assert {"strata.v1.Strata", "grpc.health.v1.Health"} <= names and "strata.v1.Registry" not in names
 
 
 def test_registry_lifecycle_and_a_failed_step_is_retried_on_another_worker(client, cluster):

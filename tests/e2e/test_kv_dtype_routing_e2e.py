@@ -50,7 +50,7 @@ def cluster(redis_url):
 @pytest.fixture(scope="module")
 def auto_workers(cluster, redis_url):
     args = ["--model", resolve_model(None), "--kv-cache-dtype", "auto", "--redis-url", redis_url,
-            "--router", cluster.grpc_address, "--num-blocks", "256", "--host-tier-mib", "16", "--handoff-mib", "16"]
+            "--router", cluster.registry_address, "--num-blocks", "256", "--host-tier-mib", "16", "--handoff-mib", "16"]
     workers = [WorkerProcess(role, [*args, "--worker-id", f"{role}-auto"], wait=False) for role in ("prefill", "decode")]
     try:
         yield [w.wait_ready() for w in workers]

@@ -1,7 +1,7 @@
 """Load on the front doors (issue 15 item 1, first part): 128 concurrent gRPC streams and 128 concurrent HTTP
 streams against one router at once. Every stream completes and no worker is swept out of routing: client streams
 hold at most `MAX_GRPC_STREAMS` of the router's threads (the rest answer heartbeats), and HTTP streams wait for
-their chunks on a limiter of their own, not anyio's default 40 threads that every other HTTP call shares."""
+their chunks through a thread of their own each, not anyio's default 40 threads that every other HTTP call shares."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor

@@ -14,12 +14,9 @@ import datetime
 import ipaddress
 import json
 import os
-import queue
-import signal
 import ssl
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -33,6 +30,7 @@ from strata.launcher import REPO_ROOT, ServeConfig
 from strata.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.e2e.conftest import SMALL_WORKERS
 from tests.e2e.own_cluster import own_cluster
+from tests.integration.router_process import RouterProcess
 from worker_common.grpc_auth import attach_secret
 from worker_common.launch import WorkerProcess
 
@@ -167,7 +165,7 @@ def test_worker_rpcs_and_the_registry_want_the_fleet_secret_but_health_answers(s
         refused(lambda: stub.Prefill(worker_pb2.PrefillRequest(request_id="sneak", token_ids=[1, 2, 3]),
                                      timeout=WAIT_S))
     assert worker_stub(prefill, SECRET).Stats(worker_pb2.StatsRequest(), timeout=WAIT_S).worker_id == "prefill-0"
-    registry = router_pb2_grpc.RegistryStub(grpc.insecure_channel(secured.grpc_address))
+    registry = router_pb2_grpc.RegistryStub(grpc.insecure_channel(secured.registry_address))
     ghost = common_pb2.WorkerInfo(id="ghost", role=common_pb2.WORKER_ROLE_DECODE, address="127.0.0.1:1",
                                   model=common_pb2.ModelInfo(id="strata-moe-tiny"))
     refused(lambda: registry.RegisterWorker(router_pb2.RegisterWorkerRequest(worker=ghost), timeout=WAIT_S))
@@ -176,7 +174,7 @@ def test_worker_rpcs_and_the_registry_want_the_fleet_secret_but_health_answers(s
 
 def test_workers_without_the_fleet_secret_never_register(secured, tmp_path):
     (tmp_path / "wrong").write_text("not-the-secret\n")
-    common = ["--model", str(BUNDLED), "--router", secured.grpc_address, "--heartbeat-s", "0.5",
+    common = ["--model", str(BUNDLED), "--router", secured.registry_address, "--heartbeat-s", "0.5",
               "--num-blocks", "64", "--host-tier-mib", "4", "--handoff-mib", "4"]
     env = {k: v for k, v in os.environ.items() if k != "STRATA_CLUSTER_SECRET"}
     intruders = [WorkerProcess("decode", common + ["--worker-id", "no-secret"], env=env, wait=False),
@@ -244,43 +242,12 @@ def trusting(cert: Path) -> ssl.SSLContext:
     return ssl.create_default_context(cafile=str(cert))
 
 
-class RouterProcess:
-    """`python -m router` alone, until its READY line."""
-
-    def __init__(self, args: list[str]) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO_ROOT)}
-        self.proc = subprocess.Popen([sys.executable, "-m", "router", *args], cwd=REPO_ROOT, env=env, text=True,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=lambda: [lines.put(line) for line in self.proc.stdout], daemon=True).start()
-        deadline, seen = time.monotonic() + WAIT_S, []
-        while True:
-            assert time.monotonic() < deadline and self.proc.poll() is None, "".join(seen)
-            try:
-                line = lines.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            seen.append(line)
-            if line.startswith("READY "):
-                fields = dict(part.split("=", 1) for part in line.split()[1:])
-                self.grpc_address, self.http_address = fields["grpc"], fields["http"]
-                return
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-
-
 @pytest.fixture(scope="module")
 def lone_router(tmp_path_factory):
     folder = tmp_path_factory.mktemp("lone-router")
     cert, key = self_signed(folder)
     router = RouterProcess(["--model", str(escaping_checkpoint(folder)), "--grpc-port", "0", "--http-port", "0",
-                            "--api-key", ALICE, "--tls-cert-file", str(cert), "--tls-key-file", str(key)])
+                            "--api-key", ALICE, "--tls-cert-file", str(cert), "--tls-key-file", str(key)], WAIT_S)
     router.cert = cert
     try:
         yield router

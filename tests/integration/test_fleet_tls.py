@@ -9,6 +9,8 @@ secret, and tcp transfer agents with and without TLS.
 """
 from __future__ import annotations
 
+import socket
+import ssl
 import time
 from pathlib import Path
 
@@ -38,14 +40,14 @@ def tls_of(files: CertFiles) -> FleetTls:
     return FleetTls(files.cert, files.key, files.ca)
 
 
-def transfer_config(files: CertFiles | None) -> TransferConfig:
+def transfer_config(files: CertFiles | None, options: tuple[tuple[str, str], ...] = ()) -> TransferConfig:
     tls = {} if files is None else dict(tls_cert_file=files.cert, tls_key_file=files.key, tls_ca_file=files.ca)
-    return TransferConfig(backend="tcp", secret=SECRET, **tls)
+    return TransferConfig(backend="tcp", secret=SECRET, options=options, **tls)
 
 
-def make_owner(files: CertFiles | None, nbytes: int = 1 << 20):
+def make_owner(files: CertFiles | None, nbytes: int = 1 << 20, options: tuple[tuple[str, str], ...] = ()):
     """A tcp owner with one leased region of known bytes: (agent, descriptor of the whole region, the bytes)."""
-    agent = create_agent(transfer_config(files))
+    agent = create_agent(transfer_config(files, options))
     data = np.random.default_rng(0).integers(0, 256, nbytes, np.uint8)
     handle = agent.register(MemoryRegion.from_buffer("kv", data))
     lease = agent.grant_lease("kv", [(0, nbytes)], ttl_s=60)
@@ -105,6 +107,31 @@ def test_a_reader_with_another_cas_certificate_is_refused_by_the_owner(certs, tm
         with pytest.raises((AccessDenied, PeerUnavailable), match="TLS with the owner"):
             reader.read([desc], [np.zeros(desc.length, np.uint8)], deadline_s=20.0)
         assert time.monotonic() - started < 10.0
+    finally:
+        reader.close()
+        owner.close()
+
+
+def test_a_tls_connection_stalled_mid_message_is_closed_and_an_idle_pooled_reader_reconnects(certs):
+    """The owner's stall bounds hold inside TLS: a request begun and left unfinished is closed after
+    `recv_timeout_s`; a pooled reader whose idle connection the owner closed (`idle_timeout_s`) reads on."""
+    fleet, _ = certs
+    owner, desc, data = make_owner(fleet, options=(("recv_timeout_s", "0.3"), ("idle_timeout_s", "0.5")))
+    reader = create_agent(transfer_config(fleet))
+    context = ssl.create_default_context(cafile=fleet.ca)
+    context.load_cert_chain(fleet.cert, fleet.key)
+    host, port = desc.agent.removeprefix("tcp://").rsplit(":", 1)
+    try:
+        with context.wrap_socket(socket.create_connection((host, int(port)), timeout=5), server_hostname=host) as s:
+            s.sendall(b"\x00\x00")  # half a length prefix, then nothing
+            started = time.monotonic()
+            assert s.recv(1) == b""
+            assert time.monotonic() - started < 4.0
+        dst = np.zeros(desc.length, np.uint8)
+        for _ in range(2):
+            reader.read([desc], [dst], deadline_s=30.0)
+            time.sleep(1.0)  # past idle_timeout_s: the owner closes the pooled connection
+        assert np.array_equal(dst, data)
     finally:
         reader.close()
         owner.close()
@@ -199,7 +226,7 @@ def test_worker_ports_answer_only_mtls_with_a_fleet_certificate(cluster, certs):
 @pytest.mark.timeout(900)
 def test_workers_without_a_fleet_certificate_never_register_nor_can_be_reached(cluster, certs, secret_file):
     fleet, foreign = certs
-    common = ["--model", str(BUNDLED), "--router", cluster.grpc_address, "--heartbeat-s", "0.5",
+    common = ["--model", str(BUNDLED), "--router", cluster.registry_address, "--heartbeat-s", "0.5",
               "--num-blocks", "64", "--host-tier-mib", "4", "--handoff-mib", "4",
               "--cluster-secret-file", secret_file]  # the right secret: TLS alone keeps them out
     foreign_flags = ["--fleet-tls-cert-file", foreign.cert, "--fleet-tls-key-file", foreign.key,
@@ -221,3 +248,19 @@ def test_workers_without_a_fleet_certificate_never_register_nor_can_be_reached(c
     finally:
         for worker in intruders:
             worker.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_serve_registers_workers_through_a_registry_port_that_wants_a_fleet_certificate(cluster, certs):
+    """`strata serve`'s launcher gives the router a registry port of its own and points the workers at it: there
+    a TLS client without a certificate fails the handshake, while the public port still speaks TLS without one."""
+    fleet, _ = certs
+    assert cluster.registry_address != cluster.grpc_address
+    ca_only = grpc.ssl_channel_credentials(root_certificates=Path(fleet.ca).read_bytes())
+    with StrataClient(cluster.grpc_address, timeout_s=WAIT_S, credentials=ca_only,
+                      registry_address=cluster.registry_address) as client:
+        assert {w.id for w in client.workers()} == {"prefill-0", "decode-0"}
+        with pytest.raises(grpc.RpcError) as info:
+            client.drain("nobody")
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value
