@@ -22,9 +22,10 @@ def main() -> None:
 def _mount() -> None:
     """`strata serve`, `strata cache stats|evict|flush` and `strata workers` live in their own modules."""
     from strata.cli_cache import cache_app, workers
-    from strata.cli_serve import serve
+    from strata.cli_serve import scale, serve
 
     app.command("serve")(serve)
+    app.command("scale")(scale)
     app.add_typer(cache_app, name="cache")
     app.command("workers")(workers)
 

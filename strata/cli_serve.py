@@ -13,7 +13,7 @@ from typing import Optional
 
 import typer
 
-def banner(info, config) -> str:
+def banner(info, config, ray_namespace: str | None = None) -> str:
     http = info.http_url
     keys = config.client_keys().enabled
     bearer = " -H \"Authorization: Bearer $STRATA_API_KEY\"" if keys else ""
@@ -31,6 +31,10 @@ def banner(info, config) -> str:
     if config.fleet_tls_ca_file:
         lines += [f"  TLS:     fleet TLS on every internal link; gRPC clients verify the router with "
                   f"{config.fleet_tls_ca_file}"]
+    if ray_namespace is not None:
+        space = "" if ray_namespace == "strata" else f" --ray-namespace {ray_namespace}"
+        lines += [f"  Ray:     actors router, prefill-N, decode-N in namespace {ray_namespace!r}; "
+                  f"scale with: strata scale decode 2{space}"]
     lines += [f"  cache:   strata cache stats --router {info.grpc_address}"
               + (" --api-key $STRATA_API_KEY" if keys else "")
               + (f" --ca-file {config.fleet_tls_ca_file}" if config.fleet_tls_ca_file else ""),
@@ -160,6 +164,18 @@ def serve(
     fleet_tls_ca_file: Optional[str] = typer.Option(None, "--fleet-tls-ca-file",
                                                     help="fleet TLS: the fleet CA; clients of the router's gRPC port "
                                                          "verify it with this CA too"),
+    ray: bool = typer.Option(False, "--ray", help="run the router and the pools as Ray actors (on the cluster at "
+                                                  "--address, else a new local one)"),
+    address: Optional[str] = typer.Option(None, "--address", help="with --ray: the Ray cluster (auto, "
+                                                                  "ray://HOST:PORT or HOST:PORT; default "
+                                                                  "$RAY_ADDRESS, else a new local cluster)"),
+    ray_namespace: str = typer.Option("strata", "--ray-namespace", help="with --ray: the namespace its actors are "
+                                                                        "named in (one Strata cluster each)"),
+    ray_cpus_per_worker: float = typer.Option(1.0, "--ray-cpus-per-worker", help="with --ray: CPUs each worker's "
+                                                                                 "rank reserves"),
+    ray_gpus_per_worker: Optional[float] = typer.Option(None, "--ray-gpus-per-worker",
+                                                        help="with --ray: GPUs each worker's rank reserves "
+                                                             "(default: 1 where the cluster has GPUs, else 0)"),
 ) -> None:
     """Start a router and its prefill/decode workers; stop them all on Ctrl-C or SIGTERM."""
     from strata.launcher import LaunchError, LocalLauncher, ServeConfig
@@ -184,19 +200,38 @@ def serve(
     except (ValueError, OSError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
+    if address and not ray:
+        typer.echo("error: --address needs --ray (it names the Ray cluster)", err=True)
+        raise typer.Exit(2)
     stop = threading.Event()
-    launcher = LocalLauncher(cfg, log=sys.stderr, env=fleet_secret_env(cfg))
+    if ray:
+        from strata.ray_launcher import RayLauncher, RayOptions
+
+        try:
+            options = RayOptions(address=address or "", namespace=ray_namespace,
+                                 cpus_per_worker=ray_cpus_per_worker, gpus_per_worker=ray_gpus_per_worker)
+        except ValueError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2)
+        launcher = RayLauncher(cfg, log=sys.stderr, env=fleet_secret_env(cfg), options=options)
+    else:
+        launcher = LocalLauncher(cfg, log=sys.stderr, env=fleet_secret_env(cfg))
 
     def on_signal(*_) -> None:
         stop.set()
-        launcher.interrupt()  # Ctrl-C while starting: stop now, not once every part is up
+        if hasattr(launcher, "interrupt"):
+            launcher.interrupt()  # Ctrl-C while starting: stop now, not once every part is up
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, on_signal)
+    def install() -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, on_signal)
+
+    install()
     code = 0
     try:
         info = launcher.start()
-        print(banner(info, cfg), flush=True)
+        install()  # NOTE: again: ray.init() installs handlers of its own that end the driver without a drain
+        print(banner(info, cfg, ray_namespace if ray else None), flush=True)
         exited = launcher.wait(stop)
         if exited is not None:
             typer.echo(f"error: {exited[0]} exited with code {exited[1]}; stopping the cluster", err=True)
@@ -227,3 +262,27 @@ def exit_code_of(part_code: int | None) -> int:
     still running without a READY line), so a script sees a usage error (2) as one."""
     return part_code if part_code is not None and 0 < part_code < 256 else 1
 
+
+
+def scale(
+    role: str = typer.Argument(..., help="prefill or decode"),
+    n: int = typer.Argument(..., help="the pool's new number of workers"),
+    address: Optional[str] = typer.Option(None, "--address", help="the Ray cluster (default $RAY_ADDRESS, else "
+                                                                  "auto: the one running on this machine)"),
+    ray_namespace: str = typer.Option("strata", "--ray-namespace", help="the namespace `strata serve --ray` used"),
+) -> None:
+    """Grow or shrink a pool of a cluster started with `strata serve --ray`, while it serves. Removed workers are
+    drained first: they leave routing, finish what is in flight, deregister, and only then stop."""
+    import os
+
+    from strata.ray_launcher import RayOptions, scale as scale_pool
+
+    if role not in ("prefill", "decode"):
+        raise typer.BadParameter(f"must be prefill or decode, got {role!r}", param_hint="ROLE")
+    try:
+        options = RayOptions(address=address or os.environ.get("RAY_ADDRESS", "auto"), namespace=ray_namespace)
+        names = scale_pool(role, n, options)
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
+    typer.echo(f"{role} pool: {len(names)} workers ({', '.join(names) or 'none'})")

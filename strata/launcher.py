@@ -221,6 +221,49 @@ def moe_args(c: ServeConfig) -> list[str]:
     return moe_options.worker_args(c._moe_values())
 
 
+def worker_args_of(c: ServeConfig, role: str, name: str, model: str, router_address: str, disk_path: str,
+                   host: str | None = None) -> list[str]:
+    """A prefill or decode worker's flags, for every launcher. `disk_path`: its disk tier ("" = none); `host`: the
+    interface it binds (default `c.host`)."""
+    args = ["--model", model, "--host", host or c.host, "--port", "0", "--worker-id", name, "--transfer", c.transfer,
+            "--num-blocks", str(c.num_blocks), "--host-tier-mib", str(c.host_tier_mib),
+            "--handoff-mib", str(c.handoff_mib), "--log-level", c.log_level,
+            "--metrics-port", "0"]  # each worker's own /metrics, named on its READY line in the log
+    if c.enforce_eager:
+        args += ["--enforce-eager"]
+    args += quant_args(c) + moe_args(c) + fleet_tls_args(c)
+    if role == "decode":
+        args += speculative_args(c)
+    if disk_path:
+        args += ["--disk-path", disk_path]
+    if c.redis_url:
+        args += ["--redis-url", c.redis_url]
+    if c.s3_url:
+        args += ["--s3-url", c.s3_url]
+    if c.kv_encryption_key_file:
+        args += ["--kv-encryption-key-file", os.path.abspath(c.kv_encryption_key_file)]
+    if c.tier_quota_bytes:
+        args += ["--tier-quota-bytes", str(c.tier_quota_bytes)]
+    if router_address:
+        args += ["--router", router_address]
+    return args + list(c.worker_args)
+
+
+def router_args_of(c: ServeConfig, model: str, worker_addresses: list[str], key_args: list[str],
+                   host: str | None = None) -> list[str]:
+    """The router's flags, for every launcher. `key_args`: its API-key flags; `host`: the interface it binds
+    (default `c.host`)."""
+    args = ["--model", model, "--host", host or c.host, "--grpc-port", str(c.grpc_port),
+            "--http-port", str(c.http_port), "--registry-port", str(c.registry_port), "--policy", c.policy,
+            "--log-level", "INFO" if c.log_level.upper() in ("DEBUG", "INFO") else "WARNING"]
+    args += quant_args(c) + fleet_tls_args(c)
+    if c.local_prefill_max_tokens is not None:
+        args += ["--local-prefill-max-tokens", str(c.local_prefill_max_tokens)]
+    for address in worker_addresses:
+        args += ["--worker", address]
+    return args + key_args + list(c.router_args)
+
+
 @dataclass(frozen=True)
 class Endpoint:
     name: str
@@ -269,18 +312,47 @@ class Launcher(abc.ABC):
         self.stop()
 
 
+def router_client(c: ServeConfig, grpc_address: str, timeout_s: float = 5.0):
+    """A `StrataClient` of the router as a launcher calls it (its API key, fleet TLS)."""
+    from strata.client import StrataClient
+
+    tls = c.fleet_tls()
+    return StrataClient(grpc_address, timeout_s=timeout_s, api_key=c.client_keys().any_key(), ca_file="",
+                        credentials=tls.channel_credentials() if tls.enabled else None)
+
+
+def wait_workers(c: ServeConfig, grpc_address: str, done: Callable[[set[str]], bool], timeout_s: float,
+                 check: Callable[[], None] = lambda: None, expected: str = "") -> None:
+    """Until `done(ids the router lists READY)` (registered, or found by its probe); `check` raises to end the
+    wait early (a part exited)."""
+    from strata.v1 import common_pb2
+
+    deadline, ready = time.monotonic() + timeout_s, set()
+    with router_client(c, grpc_address) as client:
+        while not done(ready):
+            check()
+            if time.monotonic() > deadline:
+                raise LaunchError(f"the router at {grpc_address} lists {sorted(ready)} READY after "
+                                  f"{timeout_s:.0f}s; {expected}")
+            time.sleep(0.2)
+            try:
+                ready = {w.id for w in client.workers() if w.state == common_pb2.WORKER_STATE_READY}
+            except Exception:  # noqa: BLE001 - the router may still be binding; the deadline bounds this
+                pass
+
+
 # ----------------------------------------------------------------------------------------------------- local
 
-def _child_setup() -> None:
+def _child_setup(death_signal: int = signal.SIGTERM) -> None:
     """In the child, before exec: lead a process group of its own (so `stop()` reaches what it starts, and a
-    terminal's Ctrl-C reaches only the launcher, which stops the parts in order), and get SIGTERM when the launcher
-    dies, even by SIGKILL (Linux PDEATHSIG)."""
+    terminal's Ctrl-C reaches only the launcher, which stops the parts in order), and get `death_signal` when the
+    launcher dies, even by SIGKILL (Linux PDEATHSIG)."""
     os.setpgid(0, 0)
     if sys.platform != "linux":
         return
     try:
         import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, death_signal)  # PR_SET_PDEATHSIG
     except Exception:
         pass
 
@@ -289,13 +361,13 @@ class _Child:
     """One process: its output pumped line by line to the log with its name in front, READY lines noticed."""
 
     def __init__(self, name: str, role: str, argv: list[str], log: TextIO, ready: re.Pattern,
-                 env: Mapping[str, str]) -> None:
+                 env: Mapping[str, str], death_signal: int = signal.SIGTERM) -> None:
         self.name, self.role, self.ready_pattern, self.log = name, role, ready, log
         self.tail: list[str] = []
         self.ready_match: re.Match | None = None
         self.proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=dict(env), stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                     preexec_fn=_child_setup)
+                                     preexec_fn=lambda: _child_setup(death_signal))
         self._pump = threading.Thread(target=self._read, name=f"log-{name}", daemon=True)
         self._pump.start()
 
@@ -439,44 +511,17 @@ class LocalLauncher(Launcher):
 
     def _spawn_worker(self, role: str, i: int, model: str, router_address: str) -> _Child:
         c, name = self.config, f"{role}-{i}"
-        args = ["--model", model, "--host", c.host, "--port", "0", "--worker-id", name, "--transfer", c.transfer,
-                "--num-blocks", str(c.num_blocks), "--host-tier-mib", str(c.host_tier_mib),
-                "--handoff-mib", str(c.handoff_mib), "--log-level", c.log_level,
-                "--metrics-port", "0"]  # each worker's own /metrics, named on its READY line in the log
-        if c.enforce_eager:
-            args += ["--enforce-eager"]
-        args += quant_args(c) + moe_args(c) + fleet_tls_args(c)
-        if role == "decode":
-            args += speculative_args(c)
+        disk = ""
         if c.disk_tier:
             assert self._data_dir is not None
-            disk = self._data_dir / name / "disk"
-            disk.mkdir(parents=True, exist_ok=True)
-            args += ["--disk-path", str(disk)]
-        if c.redis_url:
-            args += ["--redis-url", c.redis_url]
-        if c.s3_url:
-            args += ["--s3-url", c.s3_url]
-        if c.kv_encryption_key_file:
-            args += ["--kv-encryption-key-file", os.path.abspath(c.kv_encryption_key_file)]
-        if c.tier_quota_bytes:
-            args += ["--tier-quota-bytes", str(c.tier_quota_bytes)]
-        if router_address:
-            args += ["--router", router_address]
-        return self._spawn(name, role, f"{role}_worker", args + list(c.worker_args), WORKER_READY)
+            disk = str(self._data_dir / name / "disk")
+            Path(disk).mkdir(parents=True, exist_ok=True)
+        return self._spawn(name, role, f"{role}_worker", worker_args_of(c, role, name, model, router_address, disk),
+                           WORKER_READY)
 
     def _spawn_router(self, model: str, worker_addresses: list[str]) -> _Child:
-        c = self.config
-        args = ["--model", model, "--host", c.host, "--grpc-port", str(c.grpc_port), "--http-port", str(c.http_port),
-                "--registry-port", str(c.registry_port), "--policy", c.policy,
-                "--log-level", "INFO" if c.log_level.upper() in ("DEBUG", "INFO") else "WARNING"]
-        args += quant_args(c) + fleet_tls_args(c)
-        if c.local_prefill_max_tokens is not None:
-            args += ["--local-prefill-max-tokens", str(c.local_prefill_max_tokens)]
-        for address in worker_addresses:
-            args += ["--worker", address]
-        return self._spawn("router", "router", "router", args + self._key_args() + list(c.router_args),
-                           ROUTER_READY)
+        return self._spawn("router", "router", "router",
+                           router_args_of(self.config, model, worker_addresses, self._key_args()), ROUTER_READY)
 
     def _key_args(self) -> list[str]:
         """The router's API keys: its keys file, and the `api_keys` written to a private file of ours (0600,
@@ -493,24 +538,8 @@ class LocalLauncher(Launcher):
         return args
 
     def _wait_registered(self, grpc_address: str, worker_ids: list[str], timeout_s: float = 60.0) -> None:
-        """Until the router lists every worker READY (registered, or found by its probe)."""
-        from strata.client import StrataClient
-        from strata.v1 import common_pb2
-
-        deadline, ready = time.monotonic() + timeout_s, set()
-        tls = self.config.fleet_tls()
-        with StrataClient(grpc_address, timeout_s=5.0, api_key=self.config.client_keys().any_key(), ca_file="",
-                          credentials=tls.channel_credentials() if tls.enabled else None) as client:
-            while not set(worker_ids) <= ready:
-                self._raise_if_one_exited()
-                if time.monotonic() > deadline:
-                    raise LaunchError(f"the router at {grpc_address} lists {sorted(ready)} READY after "
-                                      f"{timeout_s:.0f}s; expected {sorted(worker_ids)}")
-                time.sleep(0.2)
-                try:
-                    ready = {w.id for w in client.workers() if w.state == common_pb2.WORKER_STATE_READY}
-                except Exception:  # noqa: BLE001 - the router may still be binding; the deadline bounds this
-                    pass
+        wait_workers(self.config, grpc_address, lambda ready: set(worker_ids) <= ready, timeout_s,
+                     self._raise_if_one_exited, f"expected {sorted(worker_ids)}")
 
     # ---- run and stop -------------------------------------------------------------------------------------------
 

@@ -151,6 +151,9 @@ def parse_config(role: str, argv: Sequence[str] | None = None) -> WorkerConfig:
                    help="host the router reaches this worker at, when it binds 0.0.0.0 (default: the machine's name)")
     p.add_argument("--heartbeat-s", type=float, default=d.heartbeat_s,
                    help="seconds between heartbeats (the router's shorter interval wins)")
+    p.add_argument("--drain-timeout-s", type=float, default=d.drain_timeout_s,
+                   help="on SIGTERM: leave routing at once, then wait up to this long for requests in flight to "
+                        "finish before stopping (default 30)")
     p.add_argument("--model-id", default="", help="model name to register under (default: the folder's name)")
     p.add_argument("--cluster-secret-file", default=None, metavar="PATH",
                    help=f"the fleet's shared secret (first line): shown to the router's Registry and to peers, and "
@@ -187,6 +190,7 @@ def _config_of(role: str, args: argparse.Namespace) -> WorkerConfig:
         kv_encryption_key_file=args.kv_encryption_key_file, tier_quota_bytes=args.tier_quota_bytes,
         kv_events_endpoint=args.kv_events_endpoint, kv_replay_endpoint=args.kv_replay_endpoint,
         router_address=args.router, advertise_host=args.advertise_host, heartbeat_s=args.heartbeat_s,
+        drain_timeout_s=args.drain_timeout_s,
         model_id=args.model_id, metrics_port=args.metrics_port, expert_parallel=args.expert_parallel,
         ep_rank=args.ep_rank, ep_init=args.ep_init, moe_capacity_factor=args.moe_capacity_factor,
         moe_overflow=args.moe_overflow, num_redundant_experts=args.num_redundant_experts,

@@ -92,6 +92,7 @@ class WorkerConfig:
     router_address: str = ""
     advertise_host: str = ""
     heartbeat_s: float = 2.0
+    drain_timeout_s: float = 30.0
     model_id: str = ""
     grpc_threads: int = 512
     max_requests: int = 448
@@ -120,6 +121,7 @@ class WorkerConfig:
         _require(0 <= self.port <= 65535, f"port must be in [0, 65535] (0 = a free port), got {self.port}")
         _require(-1 <= self.metrics_port <= 65535,
                  f"metrics_port must be in [-1, 65535] (0 = a free port, -1 = none), got {self.metrics_port}")
+        _require(self.drain_timeout_s >= 0, f"drain_timeout_s must be >= 0 seconds, got {self.drain_timeout_s}")
         _require(self.lease_ttl_s > 0, f"lease_ttl_s must be > 0 seconds, got {self.lease_ttl_s}")
         _require(self.transfer_deadline_s > 0,
                  f"transfer_deadline_s must be > 0 seconds, got {self.transfer_deadline_s}")

@@ -252,11 +252,17 @@ def serve(service: WorkerBase, extra_ready: str = "", front: Any = None, ready_s
 
 def run_until_signalled(service: WorkerBase, server: grpc.Server, on_exit: Callable[[], None],
                         failed: threading.Event | None = None, failed_wait_s: float = 0.0) -> int:
-    """Block until SIGTERM/SIGINT, then stop taking calls, finish (grace 5 s) and release everything: exit
-    status 0. Or until `failed` is set (an expert-parallel group broke): see `_stop_failed`; exit status 1."""
-    done = threading.Event()
+    """Block until SIGTERM/SIGINT, then drain: leave the router's routing at once, take nothing new, wait up to
+    `drain_timeout_s` for the requests in flight to finish, stop (grace 5 s) and release everything: exit status 0.
+    Or until `failed` is set (an expert-parallel group broke): see `_stop_failed`; exit status 1."""
+    done, signals = threading.Event(), []
+
+    def on_signal(*_) -> None:
+        signals.append(1)   # a second signal ends the drain's wait
+        done.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: done.set())
+        signal.signal(sig, on_signal)
     while not done.wait(0.1 if failed is not None else None):
         if failed.is_set():
             _stop_failed(service, server, on_exit, failed_wait_s)
@@ -265,6 +271,9 @@ def run_until_signalled(service: WorkerBase, server: grpc.Server, on_exit: Calla
     service.draining = True
     if service.router_link is not None:
         service.router_link.drain()  # the router stops sending new requests while the in-flight ones finish
+    deadline = time.monotonic() + service.config.drain_timeout_s
+    while not service._idle() and time.monotonic() < deadline and len(signals) < 2:
+        time.sleep(0.05)
     server.stop(grace=5).wait(6)
     on_exit()  # the service's close() deregisters from the router
     return 0
