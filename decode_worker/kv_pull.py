@@ -26,6 +26,7 @@ from strata.v1 import common_pb2
 from worker_common.engine_setup import EngineBundle
 from worker_common.kv_blocks import device_prefix_blocks, slot_bytes, verified_payload
 from worker_common.prefix_load import load_from_store
+from worker_common.read_costs import TransferCounter
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +65,12 @@ class HandoffCounts:
 
 
 class KvPuller:
-    def __init__(self, bundle: EngineBundle, store: TieredStore, agent: TransferAgent, deadline_s: float) -> None:
+    def __init__(self, bundle: EngineBundle, store: TieredStore, agent: TransferAgent, deadline_s: float,
+                 costs: TransferCounter | None = None) -> None:
+        """`costs`: where each successful hand-off read's bytes and seconds go (the router prices transfers with
+        them: `transfer_read_*` in this worker's load)."""
         self.bundle, self.store, self.agent, self.deadline_s = bundle, store, agent, deadline_s
+        self.costs = costs or TransferCounter()
         self.counts = HandoffCounts()
 
     def pull(self, kv: common_pb2.KvHandle, num_blocks: int, prompt: Sequence[int]) -> PullResult:
@@ -117,7 +122,9 @@ class KvPuller:
         try:
             if kv.agent_metadata:
                 self.agent.add_peer(descs[0].agent, kv.agent_metadata)
+            started = time.perf_counter()
             self.agent.read(descs, views, deadline_s=self.deadline_s)
+            self.costs.record(len(buf), time.perf_counter() - started)
         except TransferError as exc:
             self.counts.add(failed_reads=1)
             log.info("KV transfer failed (%s); falling back to the store", exc)

@@ -46,11 +46,11 @@ _RELEASE_TIMEOUT_S = 2.0
 class DecodeService(WorkerBase):
     def __init__(self, config: WorkerConfig, bundle: EngineBundle | None = None, ep_group: Any = None) -> None:
         super().__init__(config, bundle, ep_group)
-        self.agent = create_agent(TransferConfig(backend=config.transfer, host=config.host,
+        self.agent = create_agent(TransferConfig(backend=config.transfer, host=config.host, advertise_host=config.advertise_host,
                                                 secret=config.cluster_secret, tls_cert_file=config.fleet_tls_cert_file,
                                                 tls_key_file=config.fleet_tls_key_file,
                                                 tls_ca_file=config.fleet_tls_ca_file))  # fleet TLS: tcp over TLS
-        self.puller = KvPuller(self.bundle, self.store, self.agent, config.transfer_deadline_s)
+        self.puller = KvPuller(self.bundle, self.store, self.agent, config.transfer_deadline_s, self.transfer_costs)
         self._peers: dict[str, worker_pb2_grpc.WorkerStub] = {}
         self._peers_lock = threading.Lock()
         self._pull_lock = threading.Lock()  # NOTE: transfer agents are not thread-safe; one pull at a time

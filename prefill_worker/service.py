@@ -34,6 +34,7 @@ from worker_common.handoff_pool import HandoffPool
 from worker_common.kv_blocks import cacheable_blocks, slot_bytes, store_computed_blocks
 from worker_common.leases import LeaseTable
 from worker_common.prefix_load import ChunkInstaller, fill_load_timings, load_prefix
+from worker_common.registration import advertised
 from worker_common.server import WorkerBase
 from worker_common.streaming import ms
 from worker_common.text_stream import TextStream, engine_params
@@ -113,7 +114,7 @@ class PrefillJob(Tracked):
 class PrefillService(WorkerBase):
     def __init__(self, config: WorkerConfig, bundle: EngineBundle | None = None, ep_group: Any = None) -> None:
         super().__init__(config, bundle, ep_group)
-        self.agent = create_agent(TransferConfig(backend=config.transfer, host=config.host,
+        self.agent = create_agent(TransferConfig(backend=config.transfer, host=config.host, advertise_host=config.advertise_host,
                                                 secret=config.cluster_secret, tls_cert_file=config.fleet_tls_cert_file,
                                                 tls_key_file=config.fleet_tls_key_file,
                                                 tls_ca_file=config.fleet_tls_ca_file))  # fleet TLS: tcp over TLS
@@ -122,7 +123,8 @@ class PrefillService(WorkerBase):
         self.exporter = KvExporter(self.bundle, self.store, self.agent, self.pool, self.leases, self.worker_id)
 
     def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.ServicerContext):
-        self.exporter.worker_address = self.address
+        # NOTE: as the router and peers reach this worker, not a wildcard bind (the decode worker sends ReleaseKv there)
+        self.exporter.worker_address = advertised(self.address, self.config.advertise_host or self.config.host)
         try:
             params = check_vocab(sampling_from_proto(request.sampling), self.bundle.runner.vocab_size)
             prompt = check_prompt(request.token_ids, self.bundle.runner.vocab_size, self.bundle.max_model_len)

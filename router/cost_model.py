@@ -6,9 +6,10 @@ cached prefix is worth loading (a block in a slow tier can cost more to fetch th
     blocks   | 0 .. k-1: load (own tier, shared tier, or a peer) | k .. n-1: recompute |
     tokens   | cached_tokens = min(k * block_size, num_tokens)   | uncached            |
 
-The config holds defaults (a PCIe host tier, an NVMe disk, ...). A worker that measures its own figures (its
-prefill rate, each store tier's read latency and bandwidth; `MeasuredCosts`, from its heartbeats) is priced with
-those instead, tier by tier, once a figure rests on `min_measured_samples` samples: `config.with_measured(m)`.
+The config holds defaults (a PCIe host tier, an NVMe disk, ...), only a starting prior: a worker that measures its
+own figures (its prefill rate, each store tier's read latency and bandwidth, a decode worker's KV hand-off reads;
+`MeasuredCosts`, from its heartbeats) is priced with those instead, figure by figure, once it rests on
+`min_measured_samples` samples: `config.with_measured(m)`.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from router.index import TIERS, fastest_tier
 
 PEER = "peer"  # pseudo-tier: a block held only by another worker, read over the transfer engine
 STORE_TIERS: tuple[str, ...] = ("host", "disk", "redis", "s3")  # the tiers a worker measures (its TieredStore's)
+TRANSFER = "transfer"  # a decode worker's measured KV hand-off reads (`MeasuredCosts.transfer`)
 
 
 def _require(ok: bool, message: str) -> None:
@@ -69,7 +71,8 @@ class MeasuredRead:
     samples: int
 
     def __post_init__(self) -> None:
-        _require(self.tier in STORE_TIERS, f"tier must be one of {STORE_TIERS}, got {self.tier!r}")
+        _require(self.tier in STORE_TIERS + (TRANSFER,), f"tier must be one of {STORE_TIERS + (TRANSFER,)}, "
+                                                         f"got {self.tier!r}")
         _require(self.latency_s >= 0, f"{self.tier} latency_s must be >= 0, got {self.latency_s}")
         _require(self.bytes_per_s > 0, f"{self.tier} bytes_per_s must be > 0 (inf allowed), got {self.bytes_per_s}")
         _require(self.samples >= 0, f"{self.tier} samples must be >= 0, got {self.samples}")
@@ -82,11 +85,12 @@ class MeasuredRead:
 @dataclass(frozen=True)
 class MeasuredCosts:
     """What one worker measured of itself (WorkerLoad's measured fields): its prefill rate over `prefill_samples`
-    engine steps (0 = none) and its store tiers' reads."""
+    engine steps (0 = none), its store tiers' reads, and (a decode worker) its KV hand-off reads."""
 
     prefill_tokens_per_s: float = 0.0
     prefill_samples: int = 0
     reads: tuple[MeasuredRead, ...] = ()
+    transfer: MeasuredRead | None = None
 
     def __post_init__(self) -> None:
         _require(self.prefill_tokens_per_s >= 0 and self.prefill_samples >= 0,
@@ -139,6 +143,11 @@ class CostModelConfig:
     def block_bytes(self) -> int:
         return self.kv_bytes_per_token * self.block_size
 
+    def prefills_locally(self, uncached_tokens: int) -> bool:
+        """Conditional disaggregation, the one rule: a prompt with at most `local_prefill_max_uncached_tokens` left
+        to compute on the best decode worker prefills there (no prefill hop, no KV transfer)."""
+        return uncached_tokens <= self.local_prefill_max_uncached_tokens
+
     def prefill_s(self, tokens: int) -> float:
         return tokens / self.prefill_tokens_per_s
 
@@ -161,6 +170,8 @@ class CostModelConfig:
         links = {r.tier: r.link for r in measured.reads if r.samples >= self.min_measured_samples}
         if links:
             changes["tiers"] = dataclasses.replace(self.tiers, **links)
+        if measured.transfer is not None and measured.transfer.samples >= self.min_measured_samples:
+            changes["transfer"] = measured.transfer.link
         return self.replace(**changes) if changes else self
 
 

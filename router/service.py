@@ -19,7 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from router.auth import STRATA_SERVICE, ApiKeys, api_key_check
-from router.cost_model import STORE_TIERS, MeasuredCosts, MeasuredRead
+from router.cost_model import STORE_TIERS, TRANSFER, MeasuredCosts, MeasuredRead
 from router.dispatch import GRPC_OPTIONS, Dispatcher
 from router.served_model import ServedModel
 from router.events_feed import EventsFeed
@@ -98,10 +98,28 @@ def measured_from_proto(load: common_pb2.WorkerLoad) -> MeasuredCosts | None:
                                        for name in ("latency_s", "bytes_per_s", "samples"))
         if samples and 0 <= latency < math.inf and bandwidth > 0:
             reads.append(MeasuredRead(tier, latency, bandwidth, samples))
+    transfer = None
+    if load.transfer_read_samples and 0 <= load.transfer_read_latency_s < math.inf \
+            and load.transfer_read_bytes_per_s > 0:
+        transfer = MeasuredRead(TRANSFER, load.transfer_read_latency_s, load.transfer_read_bytes_per_s,
+                                load.transfer_read_samples)
     rate = load.prefill_tokens_per_s if 0 < load.prefill_tokens_per_s < math.inf else 0.0
-    if not reads and not rate:
+    if not reads and not rate and transfer is None:
         return None
-    return MeasuredCosts(rate, load.prefill_rate_samples if rate else 0, tuple(reads))
+    return MeasuredCosts(rate, load.prefill_rate_samples if rate else 0, tuple(reads), transfer)
+
+
+def measured_fields(measured: MeasuredCosts | None) -> dict[str, float]:
+    """WorkerLoad's measured fields from what the registry keeps (what the router prices the worker with, before its
+    sample thresholds): the inverse of `measured_from_proto`."""
+    if measured is None:
+        return {}
+    out: dict[str, float] = {"prefill_tokens_per_s": measured.prefill_tokens_per_s,
+                             "prefill_rate_samples": measured.prefill_samples}
+    for read in measured.reads + ((measured.transfer,) if measured.transfer is not None else ()):
+        out |= {f"{read.tier}_read_latency_s": read.latency_s, f"{read.tier}_read_bytes_per_s": read.bytes_per_s,
+                f"{read.tier}_read_samples": read.samples}
+    return out
 
 
 def view_to_proto(view: WorkerView, models: dict[str, ServedModel]) -> common_pb2.WorkerInfo:
@@ -113,7 +131,8 @@ def view_to_proto(view: WorkerView, models: dict[str, ServedModel]) -> common_pb
         id=r.id, role=_ROLE_PROTO[r.role], address=r.address, state=_STATE_PROTO[view.state], model=model,
         load=common_pb2.WorkerLoad(running=load.running, waiting=load.waiting, kv_usage=load.kv_usage,
                                    pending_prefill_tokens=load.pending_prefill_tokens,
-                                   running_tokens=load.running_tokens, backlog_s=load.backlog_s),
+                                   running_tokens=load.running_tokens, backlog_s=load.backlog_s,
+                                   **measured_fields(load.measured)),
         kv_events_endpoint=r.kv_events_endpoint, kv_replay_endpoint=r.kv_replay_endpoint,
         transfer_backends=r.transfer_backends, tiers=r.tiers, last_heartbeat_unix_ms=view.last_heartbeat_unix_ms,
         speculative=spec_to_proto(view.speculative, r.speculative_methods))

@@ -109,6 +109,7 @@ class Part:
             self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
         if self.restarted:   # the killed process left its shared-memory segments behind
             reap_orphaned_segments()
+        _export_state(name, role, self.restarted)
         threading.Thread(target=self._watch, name=f"watch-{name}", daemon=True).start()
 
     def __repr__(self) -> str:  # Ray prefixes this actor's log lines with it
@@ -144,6 +145,20 @@ class Part:
         if self.dir.parent.exists() and not any(self.dir.parent.iterdir()):
             self.dir.parent.rmdir()
         return self.child.proc.returncode
+
+
+def _export_state(name: str, role: str, restarted: bool) -> None:
+    """Ray's own metrics (the dashboard's Prometheus export): each part up, and its restarts."""
+    try:
+        from ray.util.metrics import Counter, Gauge
+
+        tags = {"part": name, "role": role}
+        Gauge("strata_part_up", "1 while this Strata part's actor runs", tag_keys=("part", "role")).set(1, tags)
+        if restarted:
+            Counter("strata_part_restarts", "Ray restarts of this Strata part",
+                    tag_keys=("part", "role")).inc(1, tags)
+    except Exception:  # noqa: BLE001 - metrics are best effort: a cluster without Ray's metrics agent still serves
+        pass
 
 
 # ------------------------------------------------------------------------------------------------ the controller
@@ -299,13 +314,13 @@ class Controller:
     def _remove(self, part: _Placed) -> None:
         import ray
 
+        self.parts.pop(part.name, None)   # NOTE: first: `gone()` must not report the part it sees die here
         try:
             ray.get(part.actor.stop.remote(self.config_drain_s()), timeout=self.config_drain_s() + 30)
         finally:
             ray.kill(part.actor, no_restart=True)
             if part.group is not None:
                 ray.util.remove_placement_group(part.group)
-            self.parts.pop(part.name, None)
 
     def config_drain_s(self) -> float:
         """How long a removed worker may take to drain: its --drain-timeout-s (30 s unless the worker args say)."""
@@ -337,7 +352,7 @@ class Controller:
             try:
                 ray.get(p.actor.ready.remote(1.0), timeout=5)
             except ray.exceptions.ActorDiedError:
-                if p.name in self.parts:   # not one that a scale or stop removed meanwhile
+                if self.parts.get(p.name) is p:   # not one that a scale or stop removed meanwhile
                     return p.name, 1
             except Exception:  # noqa: BLE001 - restarting, or busy: not gone
                 pass
@@ -349,6 +364,7 @@ class Controller:
 
         with self._lock:
             parts = sorted(self.parts.values(), key=lambda p: p.role != "router")
+            self.parts.clear()   # NOTE: first, as in `_remove`
             for group in ([p for p in parts if p.role == "router"], [p for p in parts if p.role != "router"]):
                 calls = [p.actor.stop.remote(40.0 if p.role == "router" else _STOP_GRACE_S) for p in group]
                 for call in calls:
@@ -360,7 +376,6 @@ class Controller:
                 ray.kill(p.actor, no_restart=True)
                 if p.group is not None:
                     ray.util.remove_placement_group(p.group)
-            self.parts.clear()
 
 
 class _Match:
@@ -390,7 +405,7 @@ def connect(options: RayOptions) -> bool:
     if address:
         ray.init(address=address, **kwargs)
     else:
-        ray.init(num_cpus=options.num_cpus, include_dashboard=False, **kwargs)
+        ray.init(num_cpus=options.num_cpus, **kwargs)   # with Ray's dashboard where its packages are installed
     return True
 
 

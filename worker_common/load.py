@@ -49,6 +49,9 @@ class LoadSnapshot(NamedTuple):
     s3_read_latency_s: float = 0.0
     s3_read_bytes_per_s: float = 0.0
     s3_read_samples: int = 0
+    transfer_read_latency_s: float = 0.0
+    transfer_read_bytes_per_s: float = 0.0
+    transfer_read_samples: int = 0
 
 
 def computed_tokens(requests: Iterable[Request]) -> int:

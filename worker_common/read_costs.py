@@ -1,4 +1,5 @@
-"""What reading a store tier costs this worker, measured: the `<tier>_read_*` fields of `WorkerLoad` (DESIGN §2).
+"""What reading a store tier costs this worker, measured: the `<tier>_read_*` fields of `WorkerLoad` (DESIGN §2), and
+what a decode worker's KV hand-off reads cost (`transfer_read_*`).
 
 Every tier counts its get calls, the bytes they read and the seconds they took (`TierStats.get_latency_counts`,
 `bytes_read`, `get_latency_sum_s`). A call reading n bytes is modelled as taking `latency + n / bandwidth`, so a
@@ -25,6 +26,7 @@ from typing import Callable, Mapping, NamedTuple
 from kvstore.tiers.base import TierStats
 
 MEASURED_TIERS: tuple[str, ...] = ("host", "disk", "redis", "s3")  # the tiers WorkerLoad has fields for
+TRANSFER = "transfer"        # the KV hand-off reads of a decode worker: WorkerLoad's `transfer_read_*`
 _WINDOW_DECAY = 0.9          # weight of a window relative to the next one
 _DEGENERATE = 1e-2           # relative determinant (~ the spread of bytes per call, squared) under which the
                              # windows cannot tell latency from bandwidth apart
@@ -95,6 +97,25 @@ class ReadFit:
                 + 2 * latency * per_byte * self.cb + per_byte * per_byte * self.bb)
 
 
+class TransferCounter:
+    """What a decode worker's hand-off reads took: calls, bytes and seconds of the successful ones (any thread)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._calls = self._bytes = 0
+        self._seconds = 0.0
+
+    def record(self, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            self._calls += 1
+            self._bytes += nbytes
+            self._seconds += seconds
+
+    def counters(self) -> _Counters:
+        with self._lock:
+            return _Counters(self._calls, self._bytes, self._seconds)
+
+
 class ReadCostMeter:
     """Reads the store's tier counters at most every `min_interval_s` (when asked) and keeps one `ReadFit` per tier.
 
@@ -103,8 +124,10 @@ class ReadCostMeter:
     """
 
     def __init__(self, stats: Callable[[], Mapping[str, TierStats]], min_interval_s: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, transfer: TransferCounter | None = None) -> None:
+        """`transfer`: the worker's hand-off reads, fitted the same way as `transfer_read_*`."""
         self._stats, self._min_interval_s, self._clock = stats, min_interval_s, clock
+        self._transfer = transfer
         self._last: dict[str, _Counters] = {}
         self._fits: dict[str, ReadFit] = {}
         self._fields: dict[str, float] = {}
@@ -122,13 +145,16 @@ class ReadCostMeter:
             now = self._clock()
             if self._read_at is None or now - self._read_at >= self._min_interval_s:
                 self._read_at = now
-                self._observe(self._stats())
+                counters = {tier: _Counters.of(stats) for tier, stats in self._stats().items()}
+                if self._transfer is not None:
+                    counters[TRANSFER] = self._transfer.counters()
+                self._observe(counters)
                 self._fields = self._to_fields()
             return dict(self._fields)
 
-    def _observe(self, stats: Mapping[str, TierStats]) -> None:
-        for tier, tier_stats in stats.items():
-            now, before = _Counters.of(tier_stats), self._last.get(tier)
+    def _observe(self, counters: Mapping[str, _Counters]) -> None:
+        for tier, now in counters.items():
+            before = self._last.get(tier)
             self._last[tier] = now
             if before is None:
                 before = _Counters(0, 0, 0.0)  # NOTE: calls before the first reading count as one window
@@ -139,7 +165,7 @@ class ReadCostMeter:
 
     def _to_fields(self) -> dict[str, float]:
         out: dict[str, float] = {}
-        for tier in MEASURED_TIERS:
+        for tier in MEASURED_TIERS + ((TRANSFER,) if self._transfer is not None else ()):
             cost = self._fits[tier].cost() if tier in self._fits else None
             latency, bandwidth, samples = cost if cost is not None else (0.0, 0.0, 0)
             out |= {f"{tier}_read_latency_s": latency, f"{tier}_read_bytes_per_s": bandwidth,

@@ -30,7 +30,7 @@ from worker_common.cache_stats import cache_stats
 from worker_common.config import WorkerConfig
 from worker_common.convert import InvalidArgument
 from worker_common.engine_loop import EngineLoop, Failure, Tracked
-from worker_common.read_costs import ReadCostMeter
+from worker_common.read_costs import ReadCostMeter, TransferCounter
 from worker_common.engine_setup import EngineBundle, build_engine
 from worker_common.grpc_auth import worker_guard
 from worker_common.kv_events import WorkerEvents
@@ -56,13 +56,15 @@ class WorkerBase(worker_pb2_grpc.WorkerServicer):
         self.config = config
         self.worker_id = config.worker_id or f"{config.role}-{os.getpid()}"
         self.events = WorkerEvents(self.worker_id, config.kv_events_endpoint, config.kv_replay_endpoint,
-                                   config.block_size)
+                                   config.block_size, WireOptions.preset(config.kv_events_format))
         device = self.events.device
         self.bundle = bundle or build_engine(config, device.on_block_stored, device.on_block_removed, ep_group)
         self.bundle.device_events = device
         self.store = build_store(config, self.events.publisher)
         self.loop = EngineLoop(self.bundle, name=f"{config.role}-engine", events=device)
-        self.loop.load.tier_reads = ReadCostMeter(self.store.stats).fields  # heartbeats carry measured read costs
+        self.transfer_costs = TransferCounter()  # a decode worker's hand-off reads (its KvPuller records them)
+        # heartbeats carry measured read costs: the store tiers', and the hand-off reads'
+        self.loop.load.tier_reads = ReadCostMeter(self.store.stats, transfer=self.transfer_costs).fields
         self.admin = CacheAdmin(self.worker_id, self.loop, self.store, self.events)
         self.router_link: RouterLink | None = None
         self.metrics_server = None             # the /metrics HTTP server (config.metrics_port >= 0)

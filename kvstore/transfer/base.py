@@ -112,6 +112,7 @@ class TransferConfig:
 
     backend: str = "shm"
     host: str = "127.0.0.1"
+    advertise_host: str = ""  # tcp: the host peers reach a wildcard bind at (default: this machine's name)
     port: int = 0
     max_regions: int = 64
     max_leases: int = 1024

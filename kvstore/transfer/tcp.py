@@ -120,7 +120,9 @@ class TcpAgent(TransferAgent):
         self._tls = client_context(self._config)            # None: plain tcp (the zero-copy path)
         self._server = TcpServer(self._config.host, self._config.port, self._regions, self._lock, self._leases,
                                  self._key, server_context(self._config), **_timeouts(self._config))
-        host = self._config.host if self._config.host not in ("0.0.0.0", "*", "") else socket.gethostname()
+        host = self._config.host
+        if host in ("0.0.0.0", "*", "", "::"):   # a wildcard bind: peers need a name they can reach
+            host = self._config.advertise_host or socket.gethostname()
         self._address = f"{SCHEME}{host}:{self._server.port}"
         self._peers: dict[str, _TcpPeer] = {}
         self._closed = False

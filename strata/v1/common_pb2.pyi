@@ -277,7 +277,7 @@ class WorkerCacheStats(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[CacheTierStats, _Mapping]]] = ..., collected_at_unix_ms: _Optional[int] = ..., error: _Optional[str] = ..., pending_writes: _Optional[int] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("running", "waiting", "kv_usage", "pending_prefill_tokens", "running_tokens", "backlog_s", "prefill_tokens_per_s", "prefill_rate_samples", "host_read_latency_s", "host_read_bytes_per_s", "host_read_samples", "disk_read_latency_s", "disk_read_bytes_per_s", "disk_read_samples", "redis_read_latency_s", "redis_read_bytes_per_s", "redis_read_samples", "s3_read_latency_s", "s3_read_bytes_per_s", "s3_read_samples")
+    __slots__ = ("running", "waiting", "kv_usage", "pending_prefill_tokens", "running_tokens", "backlog_s", "prefill_tokens_per_s", "prefill_rate_samples", "host_read_latency_s", "host_read_bytes_per_s", "host_read_samples", "disk_read_latency_s", "disk_read_bytes_per_s", "disk_read_samples", "redis_read_latency_s", "redis_read_bytes_per_s", "redis_read_samples", "s3_read_latency_s", "s3_read_bytes_per_s", "s3_read_samples", "transfer_read_latency_s", "transfer_read_bytes_per_s", "transfer_read_samples")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -298,6 +298,9 @@ class WorkerLoad(_message.Message):
     S3_READ_LATENCY_S_FIELD_NUMBER: _ClassVar[int]
     S3_READ_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     S3_READ_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_READ_LATENCY_S_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_READ_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_READ_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     kv_usage: float
@@ -318,7 +321,10 @@ class WorkerLoad(_message.Message):
     s3_read_latency_s: float
     s3_read_bytes_per_s: float
     s3_read_samples: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., pending_prefill_tokens: _Optional[int] = ..., running_tokens: _Optional[int] = ..., backlog_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., prefill_rate_samples: _Optional[int] = ..., host_read_latency_s: _Optional[float] = ..., host_read_bytes_per_s: _Optional[float] = ..., host_read_samples: _Optional[int] = ..., disk_read_latency_s: _Optional[float] = ..., disk_read_bytes_per_s: _Optional[float] = ..., disk_read_samples: _Optional[int] = ..., redis_read_latency_s: _Optional[float] = ..., redis_read_bytes_per_s: _Optional[float] = ..., redis_read_samples: _Optional[int] = ..., s3_read_latency_s: _Optional[float] = ..., s3_read_bytes_per_s: _Optional[float] = ..., s3_read_samples: _Optional[int] = ...) -> None: ...
+    transfer_read_latency_s: float
+    transfer_read_bytes_per_s: float
+    transfer_read_samples: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., pending_prefill_tokens: _Optional[int] = ..., running_tokens: _Optional[int] = ..., backlog_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., prefill_rate_samples: _Optional[int] = ..., host_read_latency_s: _Optional[float] = ..., host_read_bytes_per_s: _Optional[float] = ..., host_read_samples: _Optional[int] = ..., disk_read_latency_s: _Optional[float] = ..., disk_read_bytes_per_s: _Optional[float] = ..., disk_read_samples: _Optional[int] = ..., redis_read_latency_s: _Optional[float] = ..., redis_read_bytes_per_s: _Optional[float] = ..., redis_read_samples: _Optional[int] = ..., s3_read_latency_s: _Optional[float] = ..., s3_read_bytes_per_s: _Optional[float] = ..., s3_read_samples: _Optional[int] = ..., transfer_read_latency_s: _Optional[float] = ..., transfer_read_bytes_per_s: _Optional[float] = ..., transfer_read_samples: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
     __slots__ = ("id", "role", "address", "state", "load", "model", "kv_events_endpoint", "kv_replay_endpoint", "transfer_backends", "tiers", "last_heartbeat_unix_ms", "speculative")

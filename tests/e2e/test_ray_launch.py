@@ -168,6 +168,9 @@ def test_serve_on_ray_restarts_and_scales(tmp_path, reference, ray_address):
 
         bad = run_cli("scale", "decode", "0", "--address", ray_address, "--ray-namespace", NAMESPACE)
         assert bad.returncode == 2 and "at least 1" in bad.stderr, bad.stderr
+    except BaseException:
+        print("strata serve --ray's output:\n" + "\n".join(serve.stderr_lines[-120:]))
+        raise
     finally:
         serve.proc.terminate()
         try:

@@ -1,14 +1,15 @@
 """Conditional disaggregation (issue 4, item 5): the decode worker prefills short or almost fully cached prompts
 itself (`Generate`), with exactly the single engine's tokens and text; the policy decides per request, and both
-paths agree with one engine."""
+paths agree with one engine. Which path a prompt takes is the router's one rule (`CostModelConfig.prefills_locally`,
+applied by `kv_aware`)."""
 from __future__ import annotations
 
 import random
 
 import pytest
 
-from decode_worker.policy import ConditionalPolicy
 from engine.sampling_params import SamplingParams
+from router.cost_model import CostModelConfig
 from strata.v1 import common_pb2
 from worker_common.client import disaggregated, local
 from worker_common.convert import FINISH_REASONS
@@ -76,8 +77,8 @@ def test_almost_fully_cached_prompt_reuses_the_decode_workers_blocks(workers, re
     first = disaggregated(prefill.stub(), decode.stub(), "turn-1", turn1, params)
     assert_same(first, reference.generate([turn1], params)[0])
     turn2 = turn1 + first.token_ids + make_prompt(3, 5)
-    policy = ConditionalPolicy(max_local_tokens=32, min_cached_fraction=0.8)
-    assert policy.place(len(turn2), 64).local
+    rule = CostModelConfig(local_prefill_max_uncached_tokens=32)   # the router's one rule (kv_aware)
+    assert rule.prefills_locally(len(turn2) - 64)
     second = local(decode.stub(), "turn-2", turn2, params)
     assert_same(second, reference.generate([turn2], params)[0])
     assert second.usage.cached_tokens >= 64, "the first turn's prompt blocks were reused on the decode worker"
@@ -86,15 +87,15 @@ def test_almost_fully_cached_prompt_reuses_the_decode_workers_blocks(workers, re
 @pytest.mark.timeout(600)
 def test_policy_routed_mix_matches_one_engine(workers, reference):
     prefill, decode = workers
-    policy = ConditionalPolicy(max_local_tokens=24)
+    rule = CostModelConfig(local_prefill_max_uncached_tokens=24)
     prompts = [make_prompt(10 + i, n) for i, n in enumerate((5, 17, 24, 40, 70))]
     params = SamplingParams(max_tokens=6, temperature=0.6, seed=5, ignore_eos=True)
     wants = reference.generate(prompts, params)
     paths = []
     for i, (prompt, want) in enumerate(zip(prompts, wants)):
-        placement = policy.place(len(prompt))
-        paths.append(placement.local)
-        got = (local(decode.stub(), f"mix-{i}", prompt, params) if placement.local
+        placed_locally = rule.prefills_locally(len(prompt))
+        paths.append(placed_locally)
+        got = (local(decode.stub(), f"mix-{i}", prompt, params) if placed_locally
                else disaggregated(prefill.stub(), decode.stub(), f"mix-{i}", prompt, params))
         assert_same(got, want)
     assert paths == [True, True, True, False, False]

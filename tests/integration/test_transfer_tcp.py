@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvstore.transfer import (Descriptor, LeaseExpired, LeaseRequired, OutOfBounds, PeerUnavailable,
-                              RegionHandle, TransferConfig, UnknownRegion, create_agent, pack_views)
+                              MemoryRegion, RegionHandle, TransferConfig, UnknownRegion, create_agent, pack_views)
 from kvstore.transfer.owner_process import OwnerProcess, region_bytes
 
 POOL = 24 << 20
@@ -216,3 +216,17 @@ def test_a_garbled_reply_is_a_transfer_error_not_a_crash(reader):
         reader.read([Descriptor(address, "x", 0, 4)], [bytearray(4)], deadline_s=5.0)
     thread.join(5)
     server.close()
+
+
+def test_a_wildcard_bind_advertises_the_host_peers_reach_it_at():
+    """An agent listening on every interface (a pod binding 0.0.0.0) names the advertised host, not 0.0.0.0 nor a
+    machine name other pods cannot resolve."""
+    with create_agent(TransferConfig(backend="tcp", host="0.0.0.0", advertise_host="127.0.0.1")) as agent:
+        assert agent.address.startswith("tcp://127.0.0.1:")
+        region = np.arange(64, dtype=np.uint8)
+        agent.register(MemoryRegion("wild", memoryview(region)))
+        lease = agent.grant_lease("wild", [(0, 64)], ttl_s=30)
+        with create_agent(TransferConfig(backend="tcp")) as reader:
+            out = bytearray(64)
+            reader.read([Descriptor(agent.address, "wild", 0, 64, lease)], [memoryview(out)], deadline_s=10)
+        assert bytes(out) == region.tobytes()

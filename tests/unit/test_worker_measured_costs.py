@@ -141,3 +141,34 @@ def test_snapshot_carries_the_tiers_read_costs_into_worker_load():
     assert (load.disk_read_samples, load.disk_read_latency_s) == (4, 0.0)
     assert load.disk_read_bytes_per_s == pytest.approx(1e8)
     assert load.host_read_samples == 0  # a tier the store does not run; "custom" has no WorkerLoad field
+
+
+# ------------------------------------------------------------------------------------------- hand-off transfers
+
+def test_meter_fits_a_decode_workers_hand_off_reads_and_the_router_prices_transfers_with_them():
+    from router.cost_model import CostModelConfig
+    from router.service import measured_from_proto
+    from worker_common.read_costs import TransferCounter
+
+    clock, transfer = FakeClock(), TransferCounter()
+    meter = ReadCostMeter(lambda: {}, min_interval_s=1.0, clock=clock, transfer=transfer)
+    assert meter.fields()["transfer_read_samples"] == 0
+    # two windows of reads of different sizes: 1 ms each plus 1 GB/s
+    for calls, nbytes in ((10, 1_000_000), (30, 8_000_000)):
+        for _ in range(calls):
+            transfer.record(nbytes, 1e-3 + nbytes / 1e9)
+        clock.now += 1.0
+        fields = meter.fields()
+    assert fields["transfer_read_samples"] == 40
+    assert fields["transfer_read_latency_s"] == pytest.approx(1e-3, rel=1e-6)
+    assert fields["transfer_read_bytes_per_s"] == pytest.approx(1e9, rel=1e-6)
+
+    load = common_pb2.WorkerLoad(**LoadSnapshot()._replace(**fields)._asdict())
+    measured = measured_from_proto(load)
+    assert measured is not None and measured.transfer is not None and measured.transfer.samples == 40
+    prior = CostModelConfig(kv_bytes_per_token=1_000)
+    priced = prior.with_measured(measured)
+    assert priced.transfer_s(8_000) == pytest.approx(1e-3 + 8e6 / 1e9)   # the measured link, not the prior's
+    assert prior.replace(min_measured_samples=41).with_measured(measured).transfer == prior.transfer
+    # a prefill worker measures none: its load carries no transfer figure
+    assert measured_from_proto(common_pb2.WorkerLoad(prefill_tokens_per_s=1.0, prefill_rate_samples=3)).transfer is None
