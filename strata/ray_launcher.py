@@ -22,6 +22,7 @@ the actor (`max_restarts`) and the new process registers with the router again.
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
@@ -394,8 +395,10 @@ def _index(name: str) -> int:
 
 # ----------------------------------------------------------------------------------------------------- driver side
 
-def connect(options: RayOptions) -> bool:
-    """Join the cluster (or start a local one); True when this call started Ray here (and so must shut it down)."""
+def connect(options: RayOptions, min_cpus: float = 0) -> bool:
+    """Join the cluster (or start a local one, with at least `min_cpus` logical CPUs: the parts' bundles, which may
+    oversubscribe a small machine as the local launcher does); True when this call started Ray here (and so must
+    shut it down)."""
     import ray
 
     if ray.is_initialized():
@@ -405,8 +408,14 @@ def connect(options: RayOptions) -> bool:
     if address:
         ray.init(address=address, **kwargs)
     else:
-        ray.init(num_cpus=options.num_cpus, **kwargs)   # with Ray's dashboard where its packages are installed
+        cpus = options.num_cpus or max(os.cpu_count() or 1, math.ceil(min_cpus))
+        ray.init(num_cpus=cpus, **kwargs)   # with Ray's dashboard where its packages are installed
     return True
+
+
+def cpus_needed(config: ServeConfig, options: RayOptions) -> float:
+    """The CPUs the parts' bundles reserve: the router's, and each worker's ranks'."""
+    return options.router_cpus + (config.prefill + config.decode) * config.expert_parallel * options.cpus_per_worker
 
 
 def controller(options: RayOptions):
@@ -455,7 +464,7 @@ class RayLauncher(Launcher):
         import ray
 
         try:
-            self._started_ray = connect(self.options)
+            self._started_ray = connect(self.options, cpus_needed(self.config, self.options))
             driver_node = ray.get_runtime_context().get_node_id()
             self.controller = ray.remote(Controller).options(
                 name=CONTROLLER, namespace=self.options.namespace, num_cpus=0, max_concurrency=16,

@@ -74,3 +74,10 @@ def test_files_the_parts_read_travel_with_them(tmp_path):
     assert files[str(key)] == b"k" * 32
     assert files[API_KEYS].decode() == "default:secret-0\nacme:secret-1\n"
     assert _files(ServeConfig()) == {}
+
+
+def test_a_local_cluster_gets_the_cpus_the_parts_bundles_reserve():
+    from strata.ray_launcher import cpus_needed
+
+    assert cpus_needed(ServeConfig(prefill=1, decode=2), RayOptions()) == 4.0   # router + 3 workers
+    assert cpus_needed(ServeConfig(prefill=1, decode=1, expert_parallel=2), RayOptions(cpus_per_worker=2)) == 9.0
