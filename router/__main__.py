@@ -30,6 +30,7 @@ from router.policy import POLICIES, get_policy
 from router.registry import RegistryConfig, WorkerRegistry
 from router.validation import MAX_REQUEST_BYTES
 from router.service import RegistryService, StrataService
+from router.vllm_workers import VllmFleet
 from router.worker_probe import WorkerProbe
 from strata.cache_metrics import ask_workers
 from strata.paths import resolve_model
@@ -145,9 +146,12 @@ class Router:
     probe: WorkerProbe
     strata: StrataService
     registry_service: RegistryService
+    fleet: VllmFleet | None = None   # vLLM workers beside Strata's (`strata worker add --kind vllm`)
 
     def close(self) -> None:
         self.probe.stop()
+        if self.fleet is not None:
+            self.fleet.close()
         self.dispatcher.close()
         self.feed.close()
 
@@ -182,9 +186,18 @@ def build_router(args: argparse.Namespace) -> Router:
     metrics.enable_cache_metrics(lambda: ask_workers(((v.record.id, v.record.address) for v in registry.workers()),
                                                      dispatcher.channels.stub, scrape_pool, _SCRAPE_TIMEOUT_S))
     probe = WorkerProbe(args.worker, registry, dispatcher, model)
+    fleet = VllmFleet({model.id: model}, feed, registry.config, taken=lambda wid: _registered(registry, wid))
     return Router(registry, index, feed, dispatcher, metrics, probe,
                   StrataService(dispatcher, registry, allow_admin=not args.no_admin, keys=args.keys),
-                  RegistryService(registry, feed))
+                  RegistryService(registry, feed), fleet)
+
+
+def _registered(registry: WorkerRegistry, worker_id: str) -> bool:
+    try:
+        registry.get(worker_id)
+        return True
+    except KeyError:
+        return False
 
 
 def _listening_socket(host: str, port: int) -> socket.socket:
@@ -207,6 +220,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     router = build_router(args)
     ports = open_grpc_ports(args, router.strata, router.registry_service)
     router.probe.start()
+    if router.fleet is not None:
+        router.fleet.start()
     stop = threading.Event()
     threading.Thread(target=_sweeper, args=(router, stop), name="registry-sweep", daemon=True).start()
     ports.mark_serving()
@@ -237,7 +252,7 @@ def _serve_http(args: argparse.Namespace, router: Router, ports: GrpcPorts) -> N
     sock = _listening_socket(args.host, args.http_port)
     http_port = sock.getsockname()[1]
     app = create_app(router.dispatcher, router.registry, router.metrics, router.feed, keys=args.keys,
-                     max_request_bytes=args.max_request_bytes)
+                     max_request_bytes=args.max_request_bytes, fleet=router.fleet, allow_admin=not args.no_admin)
     config = uvicorn.Config(app, log_level="warning", access_log=False,
                             timeout_graceful_shutdown=max(1, int(args.drain_timeout_s)),
                             ssl_certfile=args.tls_cert_file, ssl_keyfile=args.tls_key_file)

@@ -223,6 +223,17 @@ class Dispatcher:
         log.debug("route %s: %s", run.request_id, decision)
         return decision
 
+    def preview(self, model: ServedModel, hashes: list, num_tokens: int) -> RouteDecision | None:
+        """The policy's choice for a prompt among the model's READY Strata workers, running nothing (the mixed
+        fleet's comparison, `router.mixed_routing`); None when no Strata worker can take it."""
+        ns = model.namespace
+        view = self.registry.load_view(model.id, kv=(ns.model_fingerprint, ns.kv_dtype))
+        try:
+            return self.policy(RouteRequest(tuple(hashes), num_tokens), self.index.match(hashes), view,
+                               self.cost[model.id])
+        except NoWorkerError:
+            return None
+
     def address_of(self, worker_id: str) -> str:
         try:
             return self.registry.get(worker_id).record.address

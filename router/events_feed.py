@@ -12,17 +12,22 @@ because a hole in the event history could hide a removal, and a stale hint is wo
         │                                                                                                │
         └──────────────────────────────────────────────────────────> index.apply(worker, batch, seq) <───┘
 
-Because the events follow vLLM's format, the same feed follows a vLLM worker's stream (`kv_events_endpoint`).
+Because the events follow vLLM's format, the same feed follows a vLLM worker's stream (`kv_events_endpoint`). A
+subscription may re-key the hashes it receives (`subscribe(record, key=...)`): a vLLM worker's are folded to the
+64-bit ints the router computes for it (`router.vllm_hashing.event_key`), whichever form the worker publishes. What
+the feed does not understand (event types, fields, media of a later release) is skipped and counted in `FeedStats`;
+a batch that still fails to apply drops that worker's entries (a resync, as for a gap), never the feed.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
-from kvstore.events import ReceivedBatch, ZmqEventSubscriber
+from kvstore.events import BlockRemoved, BlockStored, KVEventBatch, ReceivedBatch, Snapshot, ZmqEventSubscriber
 from router.index import ApplyResult, BlockKey, MatchResult, PrefixIndex, WorkerId
 from router.registry import WorkerRecord
 
@@ -30,6 +35,24 @@ log = logging.getLogger(__name__)
 
 _RECV_S = 0.2
 _IDLE_CATCH_UP_S = 10.0
+
+KeyFn = Callable[[BlockKey], BlockKey]  # a worker's published hash -> its key in the index
+
+
+def rekeyed(item: ReceivedBatch, key: KeyFn) -> ReceivedBatch:
+    """`item` with every block hash (stored, removed, parent, snapshot) passed through `key`."""
+    def event(e):
+        if isinstance(e, BlockStored):
+            parent = None if e.parent_block_hash is None else key(e.parent_block_hash)
+            return dataclasses.replace(e, block_hashes=[key(h) for h in e.block_hashes], parent_block_hash=parent)
+        if isinstance(e, BlockRemoved):
+            return dataclasses.replace(e, block_hashes=[key(h) for h in e.block_hashes])
+        return e
+    batch = KVEventBatch(item.batch.ts, [event(e) for e in item.batch.events], item.batch.data_parallel_rank)
+    snapshot = item.snapshot
+    if snapshot is not None:
+        snapshot = Snapshot(snapshot.next_seq, tuple((m, tuple(key(h) for h in hs)) for m, hs in snapshot.tiers))
+    return item._replace(batch=batch, snapshot=snapshot)
 
 
 class SharedIndex:
@@ -42,6 +65,11 @@ class SharedIndex:
     def match(self, hashes: Sequence[BlockKey]) -> MatchResult:
         with self._lock:
             return self._index.match(hashes)
+
+    def resync(self, worker_id: WorkerId, next_seq: int) -> None:
+        """Drop the worker's entries and expect `next_seq` next."""
+        with self._lock:
+            self._index.load_snapshot(worker_id, (), next_seq)
 
     def apply_received(self, worker_id: WorkerId, item: ReceivedBatch,
                        stopped: threading.Event | None = None) -> tuple[ApplyResult, bool] | None:
@@ -84,11 +112,16 @@ class FeedStats:
     duplicates: int = 0
     last_seq: int = -1
     connected: bool = False
+    unknown_media: int = 0    # events skipped: a medium the index does not know
+    unknown_events: int = 0   # events skipped: a type the decoder does not know
+    unknown_fields: int = 0   # fields ignored: names the decoder does not know
+    apply_errors: int = 0     # batches that failed to apply (each a resync)
 
 
 class _Subscription:
-    def __init__(self, record: WorkerRecord, index: SharedIndex, replay_timeout_s: float) -> None:
-        self.record, self.index, self.replay_timeout_s = record, index, replay_timeout_s
+    def __init__(self, record: WorkerRecord, index: SharedIndex, replay_timeout_s: float,
+                 key: KeyFn | None = None) -> None:
+        self.record, self.index, self.replay_timeout_s, self.key = record, index, replay_timeout_s, key
         self.stats = FeedStats()
         self._stop = threading.Event()
         self._catch_up = threading.Event()
@@ -122,8 +155,9 @@ class _Subscription:
                     self._catch_up.clear()
                     sub.catch_up()
                 item = sub.recv(timeout_s=_RECV_S)
+                self._count_unknown(sub)
                 if item is not None:
-                    self._apply(item)
+                    self._apply_or_resync(item)
                     last_activity = time.monotonic()
                 elif time.monotonic() - last_activity > _IDLE_CATCH_UP_S:
                     self._catch_up.set()  # batches lost at the tail of a burst stay unseen while it is quiet
@@ -135,6 +169,23 @@ class _Subscription:
             sub.close()
             self.stats.connected = False
 
+    def _count_unknown(self, sub: ZmqEventSubscriber) -> None:
+        stats = sub.decode_stats
+        self.stats.unknown_events = sum(stats.unknown_events.values())
+        self.stats.unknown_fields = sum(stats.unknown_fields.values())
+
+    def _apply_or_resync(self, item: ReceivedBatch) -> None:
+        """Apply one batch; one that fails drops the worker's entries (the batch is a hole) and the feed goes on."""
+        try:
+            self._apply(rekeyed(item, self.key) if self.key is not None else item)
+        except Exception:  # noqa: BLE001 - a publisher's odd batch must not end the feed (issue 18)
+            log.exception("KV-event batch seq=%d of %s did not apply; its index entries are dropped", item.seq,
+                          self.record.id)
+            self.stats.apply_errors += 1
+            if not self._stop.is_set():  # (after an unsubscribe the worker is gone from the index: leave it so)
+                self.stats.resyncs += 1
+                self.index.resync(self.record.id, item.seq + 1)
+
     def _apply(self, item: ReceivedBatch) -> None:
         applied = self.index.apply_received(self.record.id, item, self._stop)
         if applied is None:
@@ -143,6 +194,7 @@ class _Subscription:
         self.stats.resyncs += int(resynced)
         self.stats.snapshots += int(item.snapshot is not None)
         self.stats.duplicates += int(result.status == "duplicate")
+        self.stats.unknown_media += result.skipped
         if result.status == "applied":
             self.stats.batches += 1
             self.stats.events += result.num_events
@@ -158,12 +210,13 @@ class EventsFeed:
         self._subs: dict[WorkerId, _Subscription] = {}
         self._lock = threading.Lock()
 
-    def subscribe(self, record: WorkerRecord) -> None:
+    def subscribe(self, record: WorkerRecord, key: KeyFn | None = None) -> None:
+        """Follow the worker's events; `key` re-keys its hashes (a vLLM worker's: `vllm_hashing.event_key`)."""
         if not record.kv_events_endpoint:
             return  # the worker publishes no events: the policy sees no cached prefix there (safe: a recompute)
         self.unsubscribe(record.id)
         with self._lock:
-            self._subs[record.id] = _Subscription(record, self.index, self.replay_timeout_s)
+            self._subs[record.id] = _Subscription(record, self.index, self.replay_timeout_s, key)
 
     def unsubscribe(self, worker_id: WorkerId) -> None:
         with self._lock:

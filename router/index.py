@@ -17,10 +17,21 @@ the publisher's:
     AllBlocksCleared(medium="host")     worker w: the host bit             (its other tiers stay)
     AllBlocksCleared(medium="redis")    every worker: the redis bit        (one shared backend)
 
+A publisher with several KV-cache groups (vLLM on a hybrid model: one group per attention type) stores and evicts the
+same hash once per group (`group_idx`): a block stays held in a tier while any of its groups holds it there, so one
+group's eviction (a sliding window's) never drops the hash the full-attention group still holds.
+
+    _groups:   worker_id -> {(hash, tier bit): {group_idx, ...}}   only for events that name a group
+
+A `medium` the index does not know (a tier a later vLLM release added) is never an error: the event is skipped and
+counted (`ApplyResult.skipped`, `unknown_media`), since a skipped store costs a recompute and a skipped removal of a
+block in a tier the index never recorded removes nothing.
+
 Bookkeeping only: hashes, ids, ints. No sockets here (the subscriber feeds `apply`), no tensors.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Hashable, Iterable, Literal, Mapping, NewType, Sequence
 
@@ -34,16 +45,25 @@ TIERS: tuple[str, ...] = ("device", "host", "disk", "redis", "s3")
 TIER_BIT: dict[str, int] = {t: 1 << i for i, t in enumerate(TIERS)}
 SHARED_TIERS: frozenset[str] = frozenset({"redis", "s3"})
 SHARED_MASK = TIER_BIT["redis"] | TIER_BIT["s3"]
+# NOTE: vLLM's offload media ("STORAGE" since 0.33; "FS" and "OBJ" in 0.26-0.32) are that worker's own storage,
+# never a backend other workers read, so they map to the local disk tier, not to the pooled redis / s3 tiers.
 _ALIASES = {"gpu": "device", "cuda": "device", "device": "device", "g1": "device",
             "cpu": "host", "host": "host", "g2": "host", "disk": "disk", "g3": "disk",
+            "storage": "disk", "fs": "disk", "obj": "disk",
             "redis": "redis", "s3": "s3"}
 
 
-def normalize_medium(medium: str | None) -> str:
-    """vLLM's and Strata's tier names -> one of `TIERS`. None (vLLM's default) is the device tier."""
+def tier_of_medium(medium: str | None) -> str | None:
+    """vLLM's and Strata's tier names -> one of `TIERS`; None (vLLM's default) is the device tier. A medium no
+    release has used -> None (the caller skips it)."""
     if medium is None:
         return "device"
-    tier = _ALIASES.get(medium.lower())
+    return _ALIASES.get(medium.lower())
+
+
+def normalize_medium(medium: str | None) -> str:
+    """`tier_of_medium`, where an unknown name is the caller's error (ValueError naming the allowed names)."""
+    tier = tier_of_medium(medium)
     if tier is None:
         raise ValueError(f"medium must be one of {sorted(_ALIASES)} (any case) or None, got {medium!r}")
     return tier
@@ -77,13 +97,15 @@ ApplyStatus = Literal["applied", "duplicate", "gap"]
 
 @dataclass(frozen=True)
 class ApplyResult:
-    """What `apply` did. On "gap" nothing was applied: replay from `expected_seq` (or load a snapshot)."""
+    """What `apply` did. On "gap" nothing was applied: replay from `expected_seq` (or load a snapshot).
+    `skipped`: events of the batch left out because their medium is unknown."""
 
     status: ApplyStatus
     worker_id: WorkerId
     expected_seq: int
     received_seq: int
     num_events: int = 0
+    skipped: int = 0
 
     @property
     def needs_resync(self) -> bool:
@@ -153,8 +175,10 @@ class PrefixIndex:
         self.config = config
         self._holders: dict[BlockKey, dict[WorkerId, int]] = {}
         self._owned: dict[WorkerId, dict[BlockKey, int]] = {}
+        self._groups: dict[WorkerId, dict[tuple[BlockKey, int], set[int]]] = {}
         self._next_seq: dict[WorkerId, int] = {}
         self.num_dropped = 0  # entries dropped by the memory bound
+        self.unknown_media: Counter = Counter()  # events skipped, by medium
 
     # ------------------------------------------------------------------------------------------------- updates
 
@@ -170,47 +194,68 @@ class PrefixIndex:
             return ApplyResult("duplicate", worker_id, expected, seq)
         if seq > expected:
             return ApplyResult("gap", worker_id, expected, seq)
-        for event in batch.events:
-            self._apply_event(worker_id, event)
+        applied = sum(self._apply_event(worker_id, event) for event in batch.events)
         self._next_seq[worker_id] = seq + 1
-        return ApplyResult("applied", worker_id, seq, seq, len(batch.events))
+        return ApplyResult("applied", worker_id, seq, seq, applied, len(batch.events) - applied)
 
-    def _apply_event(self, worker_id: WorkerId, event: object) -> None:
+    def _apply_event(self, worker_id: WorkerId, event: object) -> bool:
+        """False when the event was skipped (its medium is unknown)."""
+        medium = getattr(event, "medium", None)
+        if tier_of_medium(medium) is None:
+            self.unknown_media[medium] += 1
+            return False
         if isinstance(event, BlockStored):
-            self.add_blocks(worker_id, event.block_hashes, event.medium)
+            self.add_blocks(worker_id, event.block_hashes, medium, event.group_idx)
         elif isinstance(event, BlockRemoved):
-            self.remove_blocks(worker_id, event.block_hashes, event.medium)
+            self.remove_blocks(worker_id, event.block_hashes, medium, event.group_idx)
         elif isinstance(event, AllBlocksCleared):
-            if event.medium is None:
+            if medium is None:
                 self.clear_worker(worker_id)
             else:
-                self.clear_tier(worker_id, event.medium)
+                self.clear_tier(worker_id, medium)
         else:
             raise TypeError(f"event must be BlockStored, BlockRemoved or AllBlocksCleared, got {type(event).__name__}")
+        return True
 
-    def add_blocks(self, worker_id: WorkerId, hashes: Iterable[BlockKey], medium: str | None) -> None:
+    def add_blocks(self, worker_id: WorkerId, hashes: Iterable[BlockKey], medium: str | None,
+                   group: int | None = None) -> None:
         bit = TIER_BIT[normalize_medium(medium)]
         owned = self._owned.setdefault(worker_id, {})
+        groups = self._groups.setdefault(worker_id, {}) if group is not None else None
         for h in hashes:
             mask = owned.pop(h, 0) | bit  # pop + reinsert: a re-stored block becomes the newest entry
             owned[h] = mask
             self._holders.setdefault(h, {})[worker_id] = mask
+            if groups is not None:
+                groups.setdefault((h, bit), set()).add(group)
         self._enforce_bound(worker_id, owned)
 
-    def remove_blocks(self, worker_id: WorkerId, hashes: Iterable[BlockKey], medium: str | None) -> None:
+    def remove_blocks(self, worker_id: WorkerId, hashes: Iterable[BlockKey], medium: str | None,
+                      group: int | None = None) -> None:
         """The blocks left `medium`: the worker's entries of a local tier; every worker's of a shared tier (one
-        backend: a block evicted from it by one worker is gone for all)."""
+        backend: a block evicted from it by one worker is gone for all). With `group`, only that KV-cache group's
+        copy left: the entry stays while another group of the worker holds the block in that tier."""
         tier = normalize_medium(medium)
         bit = TIER_BIT[tier]
         for h in hashes:
             holders = list(self._holders.get(h, ())) if tier in SHARED_TIERS else [worker_id]
             for w in holders:
-                self._unset(w, h, bit)
+                if group is None or not self._other_group_holds(w, h, bit, group):
+                    self._unset(w, h, bit)
+
+    def _other_group_holds(self, worker_id: WorkerId, h: BlockKey, bit: int, group: int) -> bool:
+        """Forget `group`'s copy; whether another group still holds the block in that tier."""
+        groups = self._groups.get(worker_id, {}).get((h, bit))
+        if groups is None:
+            return False  # stored without naming a group: the removal takes it
+        groups.discard(group)
+        return bool(groups)
 
     def _unset(self, worker_id: WorkerId, h: BlockKey, bit: int) -> None:
         owned = self._owned.get(worker_id, {})
         if h not in owned:
             return
+        self._groups.get(worker_id, {}).pop((h, bit), None)
         mask = owned[h] & ~bit
         if mask:
             owned[h] = self._holders[h][worker_id] = mask
@@ -220,6 +265,7 @@ class PrefixIndex:
     def clear_worker(self, worker_id: WorkerId) -> None:
         """Drop every entry of a worker (`AllBlocksCleared`); its sequence tracking stays."""
         owned = self._owned.pop(worker_id, {})
+        self._groups.pop(worker_id, None)
         for h in owned:
             self._unlink(worker_id, h)
 
@@ -243,6 +289,9 @@ class PrefixIndex:
         that the replay buffer no longer covers)."""
         self.clear_worker(worker_id)
         for h, medium in blocks:
+            if tier_of_medium(medium) is None:
+                self.unknown_media[medium] += 1
+                continue
             self.add_blocks(worker_id, (h,), medium)
         self._next_seq[worker_id] = next_seq
 
@@ -252,7 +301,12 @@ class PrefixIndex:
             self.num_dropped += 1
 
     def _drop(self, worker_id: WorkerId, owned: dict[BlockKey, int], h: BlockKey) -> None:
-        del owned[h]
+        mask = owned.pop(h)
+        groups = self._groups.get(worker_id)
+        if groups:
+            for bit in TIER_BIT.values():
+                if mask & bit:
+                    groups.pop((h, bit), None)
         self._unlink(worker_id, h)
 
     def _unlink(self, worker_id: WorkerId, h: BlockKey) -> None:
@@ -305,3 +359,7 @@ class PrefixIndex:
         assert all(m for _, _, m in from_owned), "an entry has an empty tier mask"
         assert all(self._holders.values()), "a hash has an empty holder set"
         assert all(len(o) <= self.config.max_blocks_per_worker for o in self._owned.values())
+        for w, groups in self._groups.items():
+            for (h, bit), held_by in groups.items():
+                assert held_by, "a group set is empty"
+                assert self._owned.get(w, {}).get(h, 0) & bit, "a group entry outlived its tier bit"

@@ -35,6 +35,8 @@ from router.registry import WorkerRegistry
 from router.openai_request import OpenAIOptions, batch_params, from_chat, from_completion, parse_body
 from router.openai_responses import FINISH_REASONS, Choice, Shape, error_body, error_response, merged_usage
 from router.validation import MAX_REQUEST_BYTES, ApiError, GenerateParams
+from router.vllm_http import VllmDoor, mount_admin
+from router.vllm_workers import VllmFleet
 from strata.cache_metrics import CacheTierCollector, Snapshot
 from strata.v1 import common_pb2
 
@@ -71,6 +73,13 @@ class RouterMetrics:
                                    ["worker"], registry=r)
         self.event_resyncs = Gauge("strata_router_kv_event_resyncs", "Index resyncs after lost KV events, per worker",
                                    ["worker"], registry=r)
+        self.event_unknown = Gauge("strata_router_kv_event_unknown", "KV-event parts skipped as unknown, per worker "
+                                   "(medium, event type, field)", ["worker", "what"], registry=r)
+
+    def on_proxied(self, status: int) -> None:
+        """A request proxied to a vLLM worker (its usage stays with that worker's own metrics)."""
+        self.routes.labels("vllm").inc()
+        self.requests.labels("http", f"vllm_{status}").inc()
 
     def on_finish(self, door: str, outcome: str, usage: common_pb2.Usage | None, ttft_s: float | None,
                   total_s: float, route: str, retries: int) -> None:
@@ -96,9 +105,12 @@ class RouterMetrics:
         if feed is not None:
             self.event_batches.clear()
             self.event_resyncs.clear()
+            self.event_unknown.clear()
             for worker_id, stats in feed.stats().items():
                 self.event_batches.labels(worker_id).set(stats.batches)
                 self.event_resyncs.labels(worker_id).set(stats.resyncs)
+                for what in ("media", "events", "fields"):
+                    self.event_unknown.labels(worker_id, what).set(getattr(stats, f"unknown_{what}"))
         counts: dict[tuple[str, str], int] = {(role, state): 0 for role in ("prefill", "decode", "both")
                                               for state in ("ready", "draining", "dead")}
         for view in registry.workers(include_dead=True):
@@ -148,12 +160,18 @@ async def _chunks(run: RequestRun) -> AsyncIterator:
 
 def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: RouterMetrics,
                feed: EventsFeed | None = None, is_ready: Callable[[], bool] = lambda: True,
-               keys: ApiKeys = ApiKeys(), max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
+               keys: ApiKeys = ApiKeys(), max_request_bytes: int = MAX_REQUEST_BYTES,
+               fleet: VllmFleet | None = None, allow_admin: bool = True) -> FastAPI:
     """`keys`: with any, every route but /health and /metrics wants a known bearer key (`router.auth`).
-    `max_request_bytes`: a larger body is a 413 before it is parsed (`router.body_limit`; 0 = no limit)."""
+    `max_request_bytes`: a larger body is a 413 before it is parsed (`router.body_limit`; 0 = no limit).
+    `fleet`: vLLM workers beside Strata's (`router.vllm_http`: requests proxied to them, /admin/workers)."""
     app = FastAPI(title="Strata router (OpenAI-compatible)", docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)  # NOTE: added first = inside the key check
     app.add_middleware(BearerAuth, keys=keys)
+    door = None
+    if fleet is not None:
+        mount_admin(app, fleet, allow_admin)
+        door = VllmDoor(fleet, dispatcher, lambda request: _identity(request, keys), metrics.on_proxied)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -162,6 +180,7 @@ def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: Router
     @app.get("/health")
     async def health() -> JSONResponse:
         ready = [v for v in registry.workers() if v.state == "ready"]
+        ready += [v for v in (fleet.registry.workers() if fleet is not None else ()) if v.state == "ready"]
         roles = {v.record.role for v in ready}
         ok = is_ready() and bool(ready) and ("decode" in roles or "both" in roles)
         return JSONResponse({"status": "ok" if ok else "unavailable", "workers": len(ready)},
@@ -194,12 +213,16 @@ def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: Router
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await _json_body(request)
+        if door is not None and (proxied := await door.serve(request, body, "/v1/completions")) is not None:
+            return proxied
         params, options = from_completion(body, dispatcher.limits, _request_id(request))
         return await _serve(request, params, options)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = await _json_body(request)
+        if door is not None and (proxied := await door.serve(request, body, "/v1/chat/completions")) is not None:
+            return proxied
         model_name = body.get("model") if isinstance(body, dict) else None
         model = dispatcher.models.get(model_name) if isinstance(model_name, str) else None
         render = model.render_chat if model is not None else next(iter(dispatcher.models.values())).render_chat

@@ -20,14 +20,17 @@ def main() -> None:
 
 
 def _mount() -> None:
-    """`strata serve`, `strata cache stats|evict|flush` and `strata workers` live in their own modules."""
+    """`strata serve`, `strata cache stats|evict|flush`, `strata workers` and `strata worker add|remove|list` live in
+    their own modules."""
     from strata.cli_cache import cache_app, workers
     from strata.cli_serve import scale, serve
+    from strata.cli_worker import worker_app
 
     app.command("serve")(serve)
     app.command("scale")(scale)
     app.add_typer(cache_app, name="cache")
     app.command("workers")(workers)
+    app.add_typer(worker_app, name="worker")
 
 
 @app.command()

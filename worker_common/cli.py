@@ -7,6 +7,7 @@ from typing import Any, Callable, Sequence
 
 from engine.config import (KV_CACHE_DTYPES, MOE_OVERFLOW_POLICIES, QUANT_GROUP_SIZES, QUANTIZATION_SCHEMES,
                            SPECULATIVE_METHODS)
+from kvstore.events.wire import WIRE_PRESETS
 from strata import moe_options
 from strata.paths import resolve_draft_model, resolve_model
 from strata.speculative_options import check_num_tokens
@@ -146,6 +147,9 @@ def parse_config(role: str, argv: Sequence[str] | None = None) -> WorkerConfig:
                    help="ZeroMQ PUB bind of the KV events ('' = no events; port * = free, printed on READY)")
     p.add_argument("--kv-replay-endpoint", default=d.kv_replay_endpoint,
                    help="ZeroMQ ROUTER bind that replays missed KV-event batches ('' = none)")
+    p.add_argument("--kv-events-format", choices=sorted(WIRE_PRESETS), default=d.kv_events_format,
+                   help="the KV events' shape: vllm = current vLLM's (keyed events, topic-framed replays); "
+                        "vllm-0.25 / vllm-0.23 for consumers of those releases")
     p.add_argument("--router", default="", help="register with this router's Registry (host:port) and heartbeat")
     p.add_argument("--advertise-host", default="",
                    help="host the router reaches this worker at, when it binds 0.0.0.0 (default: the machine's name)")
@@ -189,6 +193,7 @@ def _config_of(role: str, args: argparse.Namespace) -> WorkerConfig:
         disk_path=args.disk_path, redis_url=args.redis_url, s3_url=args.s3_url,
         kv_encryption_key_file=args.kv_encryption_key_file, tier_quota_bytes=args.tier_quota_bytes,
         kv_events_endpoint=args.kv_events_endpoint, kv_replay_endpoint=args.kv_replay_endpoint,
+        kv_events_format=args.kv_events_format,
         router_address=args.router, advertise_host=args.advertise_host, heartbeat_s=args.heartbeat_s,
         drain_timeout_s=args.drain_timeout_s,
         model_id=args.model_id, metrics_port=args.metrics_port, expert_parallel=args.expert_parallel,

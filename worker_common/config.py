@@ -5,6 +5,7 @@ import re
 from dataclasses import dataclass, field
 
 from engine.config import CacheConfig, MoEConfig, ModelConfig, SpeculativeConfig
+from kvstore.events.wire import WIRE_PRESETS
 from strata import moe_options
 from strata.speculative_options import DEFAULT_NUM_SPECULATIVE_TOKENS, speculative_config
 from worker_common.fleet_tls import FleetTls
@@ -32,7 +33,8 @@ class WorkerConfig:
       may hold in each shared tier (Redis, S3); 0 = no quota.
     - `kv_events_endpoint` / `kv_replay_endpoint`: ZeroMQ binds of the KV-event PUB and replay sockets (DESIGN §6);
       `tcp://127.0.0.1:*` picks a free port (printed on READY); an empty `kv_events_endpoint` publishes nothing (and
-      binds no replay socket either).
+      binds no replay socket either). `kv_events_format`: the vLLM release whose consumers read the stream
+      (`kvstore.events.WIRE_PRESETS`): "vllm" (current: map events, topic-framed replays), "vllm-0.25", "vllm-0.23".
     - `router_address`: the router's Registry (host:port) to register with and heartbeat every `heartbeat_s`;
       empty = do not register (the router may still probe this worker with `--worker`). `advertise_host` replaces
       a wildcard bind host (0.0.0.0) in the addresses it registers (default: `host`, else the machine's name).
@@ -89,6 +91,7 @@ class WorkerConfig:
     tier_quota_bytes: int = 0
     kv_events_endpoint: str = "tcp://127.0.0.1:*"
     kv_replay_endpoint: str = "tcp://127.0.0.1:*"
+    kv_events_format: str = "vllm"
     router_address: str = ""
     advertise_host: str = ""
     heartbeat_s: float = 2.0
@@ -140,6 +143,8 @@ class WorkerConfig:
         if self.kv_encryption_key_file:
             from kvstore.sealing import load_key  # NOTE: lazy: cryptography loads only where encryption is on
             load_key(self.kv_encryption_key_file)  # a bad key file fails here, naming it, before the model loads
+        _require(self.kv_events_format in WIRE_PRESETS, f"kv_events_format must be one of {sorted(WIRE_PRESETS)}, "
+                                                        f"got {self.kv_events_format!r}")
         for name in ("kv_events_endpoint", "kv_replay_endpoint"):
             value = getattr(self, name)
             _require(not value or value.startswith(("tcp://", "ipc://", "inproc://")),

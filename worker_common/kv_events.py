@@ -15,7 +15,8 @@ from __future__ import annotations
 import logging
 from typing import Sequence
 
-from kvstore.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, ZmqEventPublisher, worker_topic
+from kvstore.events import (AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, WireOptions, ZmqEventPublisher,
+                            worker_topic)
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +67,10 @@ class DeviceEvents:
 class WorkerEvents:
     """Owns the worker's publisher. `endpoint` empty = no events (the router then sees no cached prefix here)."""
 
-    def __init__(self, worker_id: str, endpoint: str, replay_endpoint: str, block_size: int) -> None:
-        self.publisher = (ZmqEventPublisher(endpoint, replay_endpoint or None, topic=worker_topic(worker_id))
-                          if endpoint else None)
+    def __init__(self, worker_id: str, endpoint: str, replay_endpoint: str, block_size: int,
+                 wire: WireOptions = WireOptions()) -> None:
+        self.publisher = (ZmqEventPublisher(endpoint, replay_endpoint or None, topic=worker_topic(worker_id),
+                                            wire=wire) if endpoint else None)
         self.device = DeviceEvents(self.publisher, block_size)
 
     @property

@@ -22,6 +22,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, start_http_server
 
+from kvstore.events import WireOptions
 from kvstore.metrics import register_store_metrics
 from strata.cache_metrics import CacheTierCollector, LoadCollector
 from strata.v1 import common_pb2, worker_pb2, worker_pb2_grpc

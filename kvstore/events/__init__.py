@@ -17,10 +17,10 @@ from kvstore.events.holdings import Holdings
 from kvstore.events.publisher import DEFAULT_TOPIC, ZmqEventPublisher, worker_topic
 from kvstore.events.snapshot import Snapshot
 from kvstore.events.subscriber import ReceivedBatch, ZmqEventSubscriber
-from kvstore.events.wire import WireError, WireOptions, decode_batch, encode_batch
+from kvstore.events.wire import WIRE_PRESETS, DecodeStats, WireError, WireOptions, decode_batch, encode_batch
 
 __all__ = [
     "DEFAULT_TOPIC", "ZmqEventPublisher", "worker_topic", "ReceivedBatch", "ZmqEventSubscriber",
-    "WireError", "WireOptions", "decode_batch", "encode_batch", "Holdings", "Snapshot",
+    "WIRE_PRESETS", "DecodeStats", "WireError", "WireOptions", "decode_batch", "encode_batch", "Holdings", "Snapshot",
     "MEDIUM_DEVICE", "AllBlocksCleared", "BlockRemoved", "BlockStored", "ExternalBlockHash", "KVEvent", "KVEventBatch",
 ]

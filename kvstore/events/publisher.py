@@ -4,8 +4,9 @@ Protocol (vLLM's `ZmqEventPublisher`, so vLLM's own subscriber and the routers t
 
     PUB     -> [topic, seq (8 B big-endian), payload]            one message per batch, seq = 0, 1, 2, ...
     ROUTER  <- [identity, b"", start_seq (8 B big-endian)]        from a REQ socket (or a DEALER sending b"" first)
-            -> [identity, b"", seq, payload] for every buffered seq >= start_seq, then
-               [identity, b"", END_OF_REPLAY, b""]
+            -> [identity, b"", topic, seq, payload] for every buffered seq >= start_seq, then
+               [identity, b"", b"", END_OF_REPLAY, b""]           (vLLM >= 0.26; `WireOptions.replay="bare"`
+                                                                   drops the topic frames, as vLLM <= 0.25 did)
     ROUTER  <- [identity, b"", SNAPSHOT_REQUEST]                  Strata's extension (`snapshot.py`)
             -> [identity, b"", SNAPSHOT_REPLY, snapshot]          the holdings as of the next seq to publish
 
@@ -27,7 +28,8 @@ import zmq
 from kvstore.events.holdings import DEFAULT_MAX_BLOCKS, Holdings
 from kvstore.events.snapshot import SNAPSHOT_REPLY, SNAPSHOT_REQUEST, encode_snapshot
 from kvstore.events.types import KVEvent, KVEventBatch
-from kvstore.events.wire import END_OF_REPLAY, SEQ_BYTES, WireOptions, encode_batch, encode_seq
+from kvstore.events.replay import SEQ_BYTES, batch_frames, end_frames, encode_seq
+from kvstore.events.wire import WireOptions, encode_batch
 
 log = logging.getLogger(__name__)
 
@@ -202,10 +204,12 @@ class ZmqEventPublisher:
                 log.debug("ignoring malformed replay request with %d frames", len(frames))
 
     def _send_replay(self, identity: bytes, start_seq: int) -> None:
+        framing = self._wire.replay
         for seq, payload in list(self._buffer):
             if seq >= start_seq:
-                self._replay.send_multipart((identity, b"", encode_seq(seq), payload), copy=False)
-        self._replay.send_multipart((identity, b"", END_OF_REPLAY, b""))
+                frames = batch_frames(framing, self._topic_bytes, seq, payload)
+                self._replay.send_multipart((identity, b"", *frames), copy=False)
+        self._replay.send_multipart((identity, b"", *end_frames(framing)))
 
     def _send_snapshot(self, identity: bytes) -> None:
         # NOTE: this thread also sends the batches, so no batch is half applied: the snapshot is exact at next_seq

@@ -27,7 +27,8 @@ import zmq
 from kvstore.events.publisher import DEFAULT_TOPIC
 from kvstore.events.snapshot import SNAPSHOT_REPLY, SNAPSHOT_REQUEST, Snapshot, decode_snapshot
 from kvstore.events.types import KVEventBatch
-from kvstore.events.wire import END_OF_REPLAY, SEQ_BYTES, WireError, decode_batch, decode_seq, encode_seq
+from kvstore.events.replay import encode_seq, parse_reply
+from kvstore.events.wire import DecodeStats, WireError, decode_batch, decode_seq
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,7 @@ class ZmqEventSubscriber:
         self.publisher_restarts = 0
         self._restart_unreported = False
         self.decode_errors = 0
+        self.decode_stats = DecodeStats()  # events and fields of kinds we do not know, skipped (never an error)
         self.snapshots_loaded = 0
         self.snapshots_refused = 0  # refused, timed out or malformed: the gap was reported as lost instead
         self._sub = self._ctx.socket(zmq.SUB)
@@ -160,7 +162,7 @@ class ZmqEventSubscriber:
 
     def _deliver(self, seq: int, payload: bytes, topic: str, *, replayed: bool, lost_before: int) -> None:
         try:
-            batch = decode_batch(payload)
+            batch = decode_batch(payload, self.decode_stats)
         except WireError:
             # NOTE: an undecodable batch is a lost batch: report it on the next one rather than stall the stream.
             self.decode_errors += 1
@@ -217,17 +219,16 @@ class ZmqEventSubscriber:
 
     def _request_replay(self, start_seq: int) -> tuple[list[tuple[int, bytes]], bool]:
         """Every (seq, payload) the publisher buffers from `start_seq`, and whether the end marker came (False: what
-        came before a timeout)."""
+        came before a timeout). Replies in either of vLLM's framings (`replay.py`) are read."""
         sock = self._replay_socket()
         sock.send_multipart((b"", encode_seq(start_seq)))  # the empty delimiter makes it look like a REQ
         got: list[tuple[int, bytes]] = []
         for frames in self._replies(f"replay from seq {start_seq}"):
-            if len(frames) != 3 or len(frames[1]) != SEQ_BYTES:
-                continue
-            seq = decode_seq(frames[1])
-            if seq < 0:
+            reply = parse_reply(frames)
+            if reply.kind == "end":
                 return got, True
-            got.append((seq, frames[2]))
+            if reply.kind == "batch":
+                got.append((reply.seq, reply.payload))
         return got, False
 
     def _request_snapshot(self) -> Snapshot | None:
@@ -235,7 +236,7 @@ class ZmqEventSubscriber:
         does not answer in time (an older Strata publisher ignores the request) or sends a malformed one."""
         self._replay_socket().send_multipart((b"", SNAPSHOT_REQUEST))
         for frames in self._replies("snapshot request"):
-            if len(frames) == 3 and frames[1] == END_OF_REPLAY:
+            if parse_reply(frames).kind == "end":
                 log.info("%s does not serve snapshots: the gap is reported as lost", self.replay_endpoint)
                 return None
             if len(frames) == 3 and frames[1] == SNAPSHOT_REPLY:

@@ -231,12 +231,31 @@ def test_publish_after_close_is_an_error():
 
 @pytest.mark.parametrize("payload", [b"\xc1", b"\x92\xa1x\x90", encode_batch(KVEventBatch(1.0, []))[:-3],
                                      b"\x93\xcb?\xf0\x00\x00\x00\x00\x00\x00\x91\x92\xabBlockStored\x01\xc0",
-                                     b"\x92\x01\x91\x91\xa9NoSuchTag"])
+                                     b"\x92\x01\x91\x91\x01"])
 def test_malformed_payloads_are_a_wire_error(payload):
     from kvstore.events import WireError
 
     with pytest.raises(WireError):
         decode_batch(payload)
+
+
+def test_unknown_event_types_and_fields_are_skipped_and_counted():
+    """A later vLLM release may add event types and fields: the rest of the batch still decodes (issue 18)."""
+    import msgpack
+
+    from kvstore.events import DecodeStats
+
+    stored = {"type": "BlockStored", "block_hashes": [7], "parent_block_hash": None, "token_ids": [1, 2],
+              "block_size": 2, "lora_id": None, "medium": "GPU", "lora_name": None, "group_idx": 1,
+              "session_id": "s", "new_field": 3}
+    payload = msgpack.packb([1.0, [["NoSuchTag", 1], stored, {"type": "BlockMoved"},
+                                   ["BlockRemoved", [7], "GPU", 1, None, None, "later"]]])
+    stats = DecodeStats()
+    batch = decode_batch(payload, stats)
+    assert batch.events == [BlockStored([7], None, [1, 2], 2, None, "GPU", group_idx=1),
+                            BlockRemoved([7], "GPU", group_idx=1)]
+    assert stats.unknown_events == {"NoSuchTag": 1, "BlockMoved": 1}
+    assert stats.unknown_fields == {"BlockStored.new_field": 1, "BlockRemoved#5": 1}
 
 
 def test_an_undecodable_batch_is_skipped_and_reported_as_lost_on_the_next():
