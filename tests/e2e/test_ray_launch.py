@@ -14,23 +14,13 @@ from strata.launcher import LocalLauncher, ServeConfig
 from strata.v1 import common_pb2
 from tests.e2e.conftest import SMALL_WORKERS
 from tests.e2e.own_cluster import own_cluster
+from tests.e2e.test_serve_cli import CONFIG as SERVE_CONFIG
 from tests.e2e.test_serve_cli import Serve, run_cli
 
 pytestmark = pytest.mark.slow
 
 NAMESPACE = "strata-ray-test"
-CONFIG = """\
-serve:
-  prefill: 1
-  decode: 1
-  grpc-port: 0
-  http-port: 0
-  enforce-eager: true
-  local-prefill-max-tokens: 8
-  num-blocks: 256
-  host-tier-mib: 16
-  handoff-mib: 16
-"""
+CONFIG = SERVE_CONFIG + "  enforce-eager: true\n  local-prefill-max-tokens: 8\n"   # the CLI test's, eager
 PROMPTS = ["def fibonacci(n):", "The three laws of thermodynamics are", "import numpy as np\n\ndef softmax(x):"]
 SAMPLINGS = [dict(max_tokens=12, temperature=0.0), dict(max_tokens=12, temperature=0.8, top_p=0.9, seed=7)]
 
