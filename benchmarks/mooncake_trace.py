@@ -1,4 +1,4 @@
-"""Mooncake-format request traces (`benchmarks/data/`): loading, and a synthetic hot prefix.
+"""Mooncake-format request traces (`benchmarks/data/`): loading, writing, and a synthetic hot prefix.
 
 One JSON object per line: `timestamp` (ms), `input_length`, `output_length` (tokens), `hash_ids` (one id per
 512-token block; equal ids mean an equal prefix up to that block). Shared by the routing and serving benchmarks.
@@ -48,6 +48,13 @@ def load_trace(path: Path, limit: int | None = None) -> list[TraceRequest]:
             out.append(TraceRequest(r["timestamp"] / 1000.0, r["input_length"], r["output_length"],
                                     tuple(r["hash_ids"])))
     return out
+
+
+def dump_trace(trace: Sequence[TraceRequest]) -> str:
+    """Mooncake JSONL: what `load_trace` reads back (timestamps rounded to the millisecond)."""
+    return "".join(json.dumps({"timestamp": round(r.ts_s * 1000), "input_length": r.input_length,
+                               "output_length": r.output_length, "hash_ids": list(r.hash_ids)}) + "\n"
+                   for r in trace)
 
 
 def with_hot_prefix(trace: Sequence[TraceRequest], num_blocks: int) -> list[TraceRequest]:

@@ -103,11 +103,14 @@ class CostModelConfig:
     """What the policy assumes about the fleet. Defaults: a Llama-3-8B-class model in bf16.
 
     recompute_weight: extra weight on prefill seconds beyond their share of this request's TTFT, because a
-        recompute also takes capacity from every later request (0 = greedy TTFT only).
-    load_slack, load_floor_s: the load guard. A worker whose recent work exceeds
-        (1 + load_slack) * mean recent work + load_floor_s is skipped while another worker is within bounds,
-        unless its cache saves time over that worker and it is idle or leads it by less than the saving
-        (router.policy; `load_slack = inf` turns the guard off).
+        recompute also takes capacity from every later request and leaves a second copy of the prefix in the
+        fleet's caches (0 = greedy TTFT only). At 8 a holder keeps a request until its queue costs 9x the
+        recompute; at 2 conversations left their holder behind one long decode (benchmarks/README.md, Routing grid).
+    load_slack, load_floor_s, load_cache_tolerance: the load guard (router.policy). It acts once a worker's recent
+        work exceeds (1 + load_slack) * mean recent work + load_floor_s; then a worker may lead the least loaded
+        worker holding no more of the prompt by at most max(saving, load_cache_tolerance * share * mean recent
+        work), where saving is what its cache saves and share that saving over the whole fetch + prefill
+        (`load_slack = inf` turns the guard off).
     local_prefill_max_uncached_tokens: conditional disaggregation. A prompt with at most this many tokens left to
         compute on the best decode worker is prefilled there (no prefill hop, no KV transfer).
     peer_fetch: whether a worker may load blocks that only its peers hold (pooled host tiers, DESIGN §5).
@@ -120,9 +123,10 @@ class CostModelConfig:
     kv_bytes_per_token: int = 131_072
     tiers: TierCosts = field(default_factory=TierCosts)
     transfer: LinkCost = LinkCost(12.5e9, 100e-6)  # prefill -> decode KV hand-off
-    recompute_weight: float = 2.0
+    recompute_weight: float = 8.0
     load_slack: float = 0.1
     load_floor_s: float = 0.0
+    load_cache_tolerance: float = 0.5
     local_prefill_max_uncached_tokens: int = 512
     peer_fetch: bool = False
     min_measured_samples: int = 20
@@ -134,6 +138,7 @@ class CostModelConfig:
         _require(self.recompute_weight >= 0, f"recompute_weight must be >= 0, got {self.recompute_weight}")
         _require(self.load_slack >= 0, f"load_slack must be >= 0 (inf disables the guard), got {self.load_slack}")
         _require(self.load_floor_s >= 0, f"load_floor_s must be >= 0, got {self.load_floor_s}")
+        _require(self.load_cache_tolerance >= 0, f"load_cache_tolerance must be >= 0, got {self.load_cache_tolerance}")
         _require(self.local_prefill_max_uncached_tokens >= 0,
                  f"local_prefill_max_uncached_tokens must be >= 0, got {self.local_prefill_max_uncached_tokens}")
         _require(self.min_measured_samples >= 1,

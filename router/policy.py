@@ -16,21 +16,35 @@ almost fully cached prompts prefill on their decode worker (conditional disaggre
 here: a different salt gives different block hashes (DESIGN §3), so a tenant's blocks never match another tenant's
 query.
 
-The load guard (`_within_guard`) keeps a hot prefix from piling every request on its holders:
+The load guard (`_within_guard`) keeps a hot prefix from piling every request on its holders, without breaking up
+a prefix that only one worker holds (a conversation's history). It acts once some worker's recent work is past
 
     bound      = (1 + load_slack) * mean recent work + load_floor_s
-    alt        = the best worker within the bound (least ttft + recompute_weight * prefill)
-    saving(w)  = plan(alt).ttft - plan(w).ttft            the fetch + prefill a move to alt adds: w's cache, recomputed
-    w allowed  <=> recent(w) <= bound
-                   or saving(w) > 0 and (w is idle: no queue, no backlog
-                                         or recent(w) - recent(alt) <= saving(w))
 
-So a worker past the bound keeps the requests its cache serves while it is idle (the move would gain nothing: the
-request starts at once either way) and while sending them away would add more recompute than the extra work it
-carries; a hot prefix is copied to another worker only once the imbalance it causes exceeds the cost of the copy.
+and then holds each worker w against its alternative: the least loaded worker holding no more of the prompt than w
+(the next-longest holder or a cold worker, never an arbitrary one):
+
+    depth(w)   = blocks w's plan loads (plan.cached_blocks)
+    alt(w)     = least loaded (recent work, backlog, queue, id) of {v : depth(v) <= depth(w)}, w itself possibly;
+                 the least loaded worker of all when it holds more than w (moving there saves work: saving < 0)
+    saving(w)  = plan(alt).ttft - plan(w).ttft            the fetch + prefill a move to alt adds: w's cache, recomputed
+    share(w)   = saving(w) / plan(alt).ttft               the part of the request's work w's cache saves, 0 .. 1
+    w allowed  <=> w is alt(w)
+                   or recent(w) - recent(alt) <= max(saving(w), load_cache_tolerance * share(w) * mean recent work)
+
+So a worker whose cache saves little (the first block every request shares, which every worker holds) takes new
+work only while it is the least loaded of its depth: new conversations spread over the fleet. A worker holding most
+of the prompt keeps it until it leads its alternative by that share of the mean load, so a conversation stays on its
+worker through the ordinary imbalance whole conversations leave, and a hot prefix is copied to the next worker once
+its holders run further ahead than that. The lead is held against the mean, not in seconds alone, because recent
+work is a decayed sum whose size follows the half-life (30 s in the registry, 600 s in benchmarks/routing_sim.py);
+`saving` is the floor at low load, where a move would recompute more than the imbalance it removes. Among the
+allowed workers the cost decides, so a request its longest holder may not take goes to the next-longest holder
+unless that one's own lead or queue forbids it too.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import random as _random
 from dataclasses import dataclass
@@ -130,21 +144,44 @@ def _ratio_guard(workers: Sequence[WorkerLoad], config: CostModelConfig) -> tupl
     return allowed or (min(workers, key=_load_key),)
 
 
+def _alternatives(workers: Sequence[WorkerLoad], plans: dict[WorkerId, PrefixPlan]) -> dict[WorkerId, WorkerLoad]:
+    """alt(w) of the load guard (module docstring), for every worker."""
+    def depth(w: WorkerLoad) -> int:
+        return plans[w.worker_id].cached_blocks
+
+    least = min(workers, key=_load_key)
+    alts: dict[WorkerId, WorkerLoad] = {}
+    best: WorkerLoad | None = None  # the least loaded worker of the levels seen so far (shallowest first)
+    for _, level in itertools.groupby(sorted(workers, key=depth), key=depth):
+        level = list(level)
+        best = min(level + ([best] if best else []), key=_load_key)
+        alts.update((w.worker_id, least if depth(least) > depth(w) else best) for w in level)
+    return alts
+
+
+def _tolerance_s(plan: PrefixPlan, alt_plan: PrefixPlan, mean_busy_s: float, config: CostModelConfig) -> float:
+    """How far a worker with `plan` may lead its alternative in recent work (module docstring)."""
+    saving_s = alt_plan.ttft_s - plan.ttft_s
+    if saving_s <= 0:
+        return 0.0
+    share = saving_s / alt_plan.ttft_s  # alt_plan.ttft_s > saving_s > 0
+    return max(saving_s, config.load_cache_tolerance * share * mean_busy_s)
+
+
 def _within_guard(workers: Sequence[WorkerLoad], plans: dict[WorkerId, PrefixPlan],
                   config: CostModelConfig) -> tuple[WorkerLoad, ...]:
-    """The load guard (module docstring): the ratio guard's workers, plus each worker past its bound whose cache
-    saves time over the best worker within it while it is idle or its lead in recent work is below that saving.
-    Never empty; order kept."""
-    within = _ratio_guard(workers, config)
-    if len(within) == len(workers):
-        return within
-    _, alt, _ = _best_by_cost(within, plans, config, 0.0, None)
-    alt_s = plans[alt.worker_id].ttft_s
+    """The load guard (module docstring): every worker while all are within the ratio bound, else each worker that
+    is its own alternative or leads it by no more than its cache earns. Never empty (the least loaded worker is its
+    own alternative); order kept."""
+    if len(_ratio_guard(workers, config)) == len(workers):
+        return tuple(workers)
+    mean = sum(w.recent_busy_s for w in workers) / len(workers)
+    alts = _alternatives(workers, plans)
 
     def keeps(w: WorkerLoad) -> bool:
-        saving_s = alt_s - plans[w.worker_id].ttft_s
-        idle = w.queue_len == 0 and w.backlog_s == 0
-        return w in within or (saving_s > 0 and (idle or w.recent_busy_s - alt.recent_busy_s <= saving_s))
+        alt = alts[w.worker_id]
+        lead_s = w.recent_busy_s - alt.recent_busy_s
+        return alt is w or lead_s <= _tolerance_s(plans[w.worker_id], plans[alt.worker_id], mean, config)
 
     return tuple(w for w in workers if keeps(w))
 

@@ -124,13 +124,18 @@ def test_load_guard_skips_an_overloaded_holder():
     assert route(kv_aware, make_request(8), index, loads, no_guard).prefill_worker == "w0"
 
 
-def test_load_guard_keeps_an_idle_holder_past_its_bound():
-    """Nothing waits on w0: sending the request elsewhere would only recompute its 32 cached tokens."""
+def test_load_guard_holds_an_idle_holder_to_the_share_its_cache_saves():
+    """Being idle no longer exempts a worker past its bound (it did: at low load every worker is idle, so the guard
+    never acted and new conversations piled on the workers holding their shared first block). w0's 8 host blocks
+    save 32 of the 40 ms the request costs elsewhere (share 0.8): it may lead w1 by 0.5 x 0.8 x the mean."""
     index = make_index(w0=([0, 1, 2, 3, 4, 5, 6, 7], "host"))
-    busy = {"w0": 10.0, "w1": 4.0, "w2": 4.0}
-    d = route(kv_aware, make_request(10), index, make_load(3, recent_busy_s=busy))
-    assert (d.prefill_worker, d.cached_tokens) == ("w0", 32)
-    assert "load guard skipped 0 of 3" in d.reason
+    near = make_load(3, recent_busy_s={"w0": 7.0, "w1": 5.0, "w2": 5.5})  # lead 2.0 <= 0.5 x 0.8 x 5.83 = 2.33
+    far = make_load(3, recent_busy_s={"w0": 10.0, "w1": 4.0, "w2": 4.0})  # lead 6.0 > 0.5 x 0.8 x 6 = 2.4
+    kept = route(kv_aware, make_request(10), index, near)
+    assert (kept.prefill_worker, kept.cached_tokens) == ("w0", 32)
+    assert "load guard skipped 1 of 3" in kept.reason  # w2 leads w1 with nothing more cached: no claim
+    moved = route(kv_aware, make_request(10), index, far)
+    assert (moved.prefill_worker, moved.cached_tokens) == ("w1", 0)
 
 
 def test_load_guard_keeps_a_busy_holder_until_its_lead_exceeds_what_its_cache_saves():
@@ -148,6 +153,58 @@ def test_load_guard_still_spreads_workers_without_a_cache_advantage():
     index = make_index(w0=[0, 1, 2, 3], w1=[0, 1, 2, 3])  # both hold the prefix: w0 saves nothing over w1
     loads = make_load(2, recent_busy_s={"w0": 1.0, "w1": 0.5})
     assert route(kv_aware, make_request(8), index, loads).prefill_worker == "w1"
+
+
+def test_longest_prefix_holder_wins_over_workers_holding_only_the_shared_first_block():
+    """The conversation case: every worker holds block 0 (the system prompt), w1 holds the conversation (8 of 10
+    blocks) and is past its bound with a request running. Its cache saves 28 of the 36 ms any other worker would
+    compute (share 0.78), so it may lead the least loaded, w2, by 0.5 x 0.78 x the mean: 3.74 s here. The guard used
+    to compare its lead with the 28 ms alone and send the request to w2, which recomputed 9 blocks."""
+    index = make_index(w0=[0], w1=[0, 1, 2, 3, 4, 5, 6, 7], w2=[0], w3=[0])
+    busy = {"w0": 10.0, "w1": 11.5, "w2": 8.0, "w3": 9.0}  # mean 9.625: w1 past 1.1 x mean, leads w2 by 3.5 s
+    loads = make_load(4, recent_busy_s=busy, queue_len={"w1": 1}, backlog_s={"w1": 0.005})
+    d = route(kv_aware, make_request(10), index, loads)
+    assert (d.prefill_worker, d.cached_tokens) == ("w1", 32)
+    busy["w1"] = 14.0  # mean 10.25: a 6 s lead is past 0.5 x 0.78 x 10.25 = 3.99 s
+    moved = route(kv_aware, make_request(10), index, make_load(4, recent_busy_s=busy, queue_len={"w1": 1}))
+    assert (moved.prefill_worker, moved.cached_tokens) == ("w2", 4)
+
+
+def test_load_guard_sends_what_the_longest_holder_may_not_take_to_the_next_longest():
+    """w0 (8 blocks) leads far; w1 (5 blocks) leads the least loaded worker w2 (block 0 only) by 1 s, within what
+    its 16 ms saving of 36 earns (0.5 x 0.44 x 6.375 = 1.42 s): w1 takes it, not a worker holding block 0 alone."""
+    index = make_index(w0=list(range(8)), w1=list(range(5)), w2=[0], w3=[0])
+    busy = {"w0": 12.0, "w1": 5.0, "w2": 4.0, "w3": 4.5}
+    d = route(kv_aware, make_request(10), index, make_load(4, recent_busy_s=busy, queue_len={"w0": 3}))
+    assert (d.prefill_worker, d.cached_tokens) == ("w1", 20)
+    assert "load guard skipped 2 of 4" in d.reason  # w0 (too far ahead) and w3 (behind w2, same depth)
+
+
+def test_load_guard_gives_holders_of_the_same_prefix_length_the_request_by_recent_work():
+    """w0 and w1 hold the same 8 blocks; w2 (nothing) is past its bound, so the guard acts: among equal holders the
+    one with less recent work takes it, though w0's queue is momentarily shorter."""
+    index = make_index(w0=list(range(8)), w1=list(range(8)))
+    loads = make_load(3, recent_busy_s={"w0": 6.0, "w1": 4.0, "w2": 8.5}, backlog_s={"w1": 0.002})
+    d = route(kv_aware, make_request(10), index, loads)
+    assert (d.prefill_worker, d.cached_tokens) == ("w1", 32)
+
+
+def test_new_conversations_go_to_the_least_loaded_worker_not_the_holders_of_the_shared_block():
+    """A request matching only block 0: the holders of block 0 save 4 ms, nothing against a lead of seconds, so the
+    least loaded worker takes it even though it must compute block 0 itself."""
+    index = make_index(w0=[0], w1=[0], w2=[0])
+    loads = make_load(4, recent_busy_s={"w0": 9.0, "w1": 8.0, "w2": 8.5, "w3": 2.0})
+    d = route(kv_aware, RouteRequest(chain([0, 900, 901, 902]), 16), index, loads)
+    assert (d.prefill_worker, d.cached_tokens) == ("w3", 0)
+
+
+def test_load_guard_never_leaves_a_cold_worker_a_claim_over_a_less_loaded_holder():
+    """w2 holds nothing and has the most recent work: a worker holding more with less work is its alternative, so
+    it is not allowed even when the holders' queues make it the cheapest."""
+    index = make_index(w0=list(range(8)), w1=list(range(8)))
+    loads = make_load(3, recent_busy_s={"w0": 5.0, "w1": 4.0, "w2": 9.0}, backlog_s={"w0": 0.5, "w1": 0.5})
+    d = route(kv_aware, make_request(10), index, loads, CFG.replace(recompute_weight=0.0))
+    assert d.prefill_worker == "w1"  # 0.5 s queue + 8 ms > 40 ms on w2, but w2 may not take it
 
 
 def _serve_through_registry(index: PrefixIndex, n_requests: int, concurrent: bool) -> list:
@@ -353,6 +410,8 @@ def test_cost_config_validates_fields():
         CostModelConfig(prefill_tokens_per_s=0)
     with pytest.raises(ValueError, match="load_slack"):
         CostModelConfig(load_slack=-1)
+    with pytest.raises(ValueError, match="load_cache_tolerance"):
+        CostModelConfig(load_cache_tolerance=-0.5)
 
 
 # --------------------------------------------------------------------------------------- simple baselines
