@@ -38,7 +38,7 @@ class StagingPool:
             fits = [b for b in self._free if b.numel() >= need]
             flat = min(fits, key=torch.Tensor.numel) if fits else None
             if flat is not None:
-                self._free.remove(flat)
+                self._free = [b for b in self._free if b is not flat]   # NOTE: identity: tensors compare elementwise
         if flat is None:
             flat = torch.empty(-(-need // _ROUND) * _ROUND, dtype=torch.uint8)  # no zero fill
         released = threading.Event()
