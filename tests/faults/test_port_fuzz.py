@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from kvstore import codec
 from kvstore.events.snapshot import SNAPSHOT_REPLY, SNAPSHOT_REQUEST, decode_snapshot
+from kvstore.events.replay import parse_reply
 from kvstore.events.wire import END_OF_REPLAY, decode_batch, encode_seq
 from kvstore.transfer import Descriptor, TransferConfig, create_agent
 from kvstore.transfer.tcp_server import ERRORS, LENGTH, recv_header
@@ -110,11 +111,12 @@ def request_replay(sock: zmq.Socket, start: int) -> list[int]:
     seqs = []
     while True:
         assert sock.poll(10_000), "no replay from the worker"
-        frames = sock.recv_multipart()
-        if frames[1] == END_OF_REPLAY:
+        reply = parse_reply(sock.recv_multipart())   # either framing (the worker's default carries the topic)
+        assert reply.kind != "other", reply
+        if reply.kind == "end":
             return seqs
-        decode_batch(frames[2])
-        seqs.append(int.from_bytes(frames[1], "big"))
+        decode_batch(reply.payload)
+        seqs.append(reply.seq)
 
 
 def test_replay_socket_survives_garbage_and_still_replays(worker):
