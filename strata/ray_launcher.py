@@ -328,22 +328,6 @@ class Controller:
         args = list(self.config.worker_args)
         return float(args[args.index("--drain-timeout-s") + 1]) + 10 if "--drain-timeout-s" in args else 40.0
 
-    def status(self) -> list[dict[str, Any]]:
-        """Each part: name, role, address, node, pid, and whether Ray restarted it."""
-        import ray
-
-        parts = list(self.parts.values())   # NOTE: no lock: answers while a scale is under way
-        out = []
-        for p in parts:
-            try:
-                ready = ray.get(p.actor.ready.remote(5.0), timeout=10)
-            except Exception as exc:  # noqa: BLE001 - a part Ray is restarting, or one that is gone
-                out.append({"name": p.name, "role": p.role, "state": f"unavailable ({type(exc).__name__})"})
-                continue
-            out.append({"name": p.name, "role": p.role, "state": "running", "address": ready["groups"][0],
-                        "node": ready["node_ip"], "pid": ready["pid"], "restarted": ready["restarted"]})
-        return out
-
     def gone(self) -> tuple[str, int] | None:
         """A part Ray will not restart any more (its restarts used up): its name, and 1. A part being restarted
         answers late, not with an error."""
@@ -520,9 +504,3 @@ def scale(role: str, n: int, options: RayOptions) -> list[str]:
     connect(options)
     return ray.get(controller(options).scale.remote(role, n))
 
-
-def status(options: RayOptions) -> list[dict[str, Any]]:
-    import ray
-
-    connect(options)
-    return ray.get(controller(options).status.remote())
