@@ -10,7 +10,10 @@ symbolic batch size for the buckets from 2 up (a size-1 dimension is always spec
 once more only where the MoE backend picks another path above some batch size. Warm-up runs every bucket, so no
 step after start-up compiles. The context length is symbolic in both: the block tables
 are `[bucket, W]` with W = max(2, blocks of the longest sequence), so a growing context never recompiles. On CUDA
-Inductor also captures CUDA graphs (`triton.cudagraphs`), one per bucket, as vLLM does.
+Inductor also captures CUDA graphs (`triton.cudagraphs`), as vLLM does: the cache is marked a static input (its
+address never changes), without which Inductor refuses to capture a graph that writes into an input ("skipping
+cudagraphs due to mutated inputs", seen on an H200), and W is rounded up to a power of two, so each bucket records
+a handful of graphs as contexts grow rather than one per block.
 
 The KV cache enters the graph as one flat 2-D view `[num_blocks * layers * 2 * block_size, kv_heads * head_dim]`
 of the block-major cache, and the new K/V are written with `index_put_` on that view.
@@ -256,6 +259,8 @@ class CompiledDecode:
         else:                   # shares storage
             self.flat = cache.tensor.view(-1, cache.tensor.shape[-2] * cache.tensor.shape[-1])
             self.attention = GraphAttention(cache)
+        if device.type == "cuda":   # a static input may be written inside a CUDA graph (see the module docstring)
+            torch._dynamo.mark_static_address(self.flat)
         self.windows = tuple(sorted({layer.attn.window for layer in model.layers}, key=lambda w: w or 0))
         self.compilations = 0
         self._layers_per_block = cache.tensor.shape[1]
@@ -285,6 +290,12 @@ class CompiledDecode:
     def bucket(self, size: int) -> int:
         return next(b for b in self.buckets if b >= size)
 
+    def table_width(self, blocks: int) -> int:
+        """Block-table columns for a step whose longest sequence spans `blocks`: at least 2 (a size-1 dimension is
+        specialised); on CUDA the next power of two, so the CUDA graphs recorded per width stay few."""
+        width = max(2, blocks)
+        return 1 << (width - 1).bit_length() if self.device.type == "cuda" else width
+
     def supports(self, batch: StepBatch) -> bool:
         seqs = batch.seqs
         return 0 < len(seqs) <= self.buckets[-1] and all(len(s.token_ids) == 1 and s.num_logits == 1 for s in seqs)
@@ -294,7 +305,7 @@ class CompiledDecode:
         seqs, bs = batch.seqs, self.block_size
         size = self.bucket(len(seqs))
         pad = size - len(seqs)
-        width = max(2, max(s.start_pos // bs + 1 for s in seqs))
+        width = self.table_width(max(s.start_pos // bs + 1 for s in seqs))
         ids = [s.token_ids[0] for s in seqs]
         pos = [s.start_pos for s in seqs]
         if self.quantized:   # the block of each new token (its offset is position % bs)

@@ -96,7 +96,7 @@ class CompiledVerify(CompiledDecode):
         size = self.bucket(len(seqs))
         per_block = self._layers_per_block * 2 * bs
         ids, pos, rows, tables, index = [], [], [], [], []
-        width = max(2, max((s.start_pos + len(s.token_ids) - 1) // bs + 1 for s in seqs))
+        width = self.table_width(max((s.start_pos + len(s.token_ids) - 1) // bs + 1 for s in seqs))
         first = 0
         for s in seqs:
             m = len(s.token_ids)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+from torch._dynamo.utils import counters
 
 from engine.sampling_params import SamplingParams
 from strata.llm import LLM
@@ -32,7 +33,11 @@ def test_cuda_compiled_decode_with_cuda_graphs_matches_eager(tiny_checkpoint, ar
     prompts = [[5, 9, 12, 40, 41, 7], [3, 3, 8, 100, 150, 22, 90, 17, 4], [7, 8, 9]]
     kw = dict(num_blocks=64, block_size=4, device="cuda", max_num_seqs=4)
     eager = LLM(str(ckpt.path), enforce_eager=True, **kw).generate(prompts, params)
+    skipped, recorded = (counters["inductor"][k] for k in ("cudagraph_skips", "cudagraph_recorded_non_static_inputs"))
     llm = LLM(str(ckpt.path), enforce_eager=False, **kw)
     compiled = llm.generate(prompts, params)
     assert [o.token_ids for o in compiled] == [o.token_ids for o in eager]
     assert llm.engine.runner.compiled.compilations == 2
+    # the graphs were captured: Inductor skips a graph that writes into an input not marked static (the cache)
+    assert counters["inductor"]["cudagraph_skips"] == skipped
+    assert counters["inductor"]["cudagraph_recorded_non_static_inputs"] > recorded
