@@ -21,6 +21,7 @@ Physical bounds, measured in this run:
   the matmul throughput of [512x1024]x[1024x1024] in the run's dtype and thread count (median of 5).
 
     OMP_NUM_THREADS=1 python benchmarks/engine_throughput.py          # 1, 8, 32, 64 concurrent, 3 rounds
+    python benchmarks/engine_throughput.py --device cuda --dtype bfloat16   # on a GPU: CUDA graphs vs eager vs HF
     python benchmarks/engine_throughput.py --concurrency 1,8 --output-len 16 --rounds 2
     python benchmarks/engine_throughput.py --quick                    # CI smoke run
 With `--json` the last line is one JSON object with every sample.
@@ -69,15 +70,22 @@ def strata_run(llm: LLM) -> Run:
     return run
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so a timer read after it counts all of it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def transformers_run(model) -> Run:
     @torch.inference_mode()
     def run(prompts: list[list[int]], output_len: int) -> int:
-        input_ids = torch.tensor(prompts, dtype=torch.long)  # [batch, prompt_len]
+        input_ids = torch.tensor(prompts, dtype=torch.long, device=model.device)  # [batch, prompt_len]
         out = model.generate(
             input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=output_len,
             min_new_tokens=output_len, do_sample=False, pad_token_id=0,
             repetition_penalty=1.0, temperature=None, top_p=None, top_k=None,  # plain greedy, as on Strata's side
         )
+        synchronize(out.device)
         return (out.shape[1] - input_ids.shape[1]) * out.shape[0]
     return run
 
@@ -133,27 +141,31 @@ def decode_cost(model, element_bytes: int, context: float) -> Cost:
     return Cost(weight_bytes, 2 * active + attention)
 
 
-def copy_bandwidth(num_bytes: int = 256 << 20, repeats: int = 5) -> float:
-    """Bytes per second read + written by a large `torch` copy (median of `repeats`)."""
-    src = torch.ones(num_bytes // 4, dtype=torch.float32)
+def copy_bandwidth(device: torch.device, num_bytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Bytes per second read + written by a large `torch` copy on `device` (median of `repeats`)."""
+    src = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)  # touch every page first
+    synchronize(device)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         dst.copy_(src)
+        synchronize(device)
         times.append(time.perf_counter() - start)
     return 2 * num_bytes / statistics.median(times)
 
 
-def matmul_throughput(dtype: torch.dtype, repeats: int = 5) -> float:
-    """FLOP/s of [512x1024]x[1024x1024] (median of `repeats`)."""
-    a, b = torch.randn(512, 1024, dtype=dtype), torch.randn(1024, 1024, dtype=dtype)
+def matmul_throughput(dtype: torch.dtype, device: torch.device, repeats: int = 5) -> float:
+    """FLOP/s of [512x1024]x[1024x1024] on `device` (median of `repeats`)."""
+    a, b = (torch.randn(n, 1024, dtype=dtype, device=device) for n in (512, 1024))
     torch.mm(a, b)
+    synchronize(device)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         torch.mm(a, b)
+        synchronize(device)
         times.append(time.perf_counter() - start)
     return 2 * 512 * 1024 * 1024 / statistics.median(times)
 
@@ -174,9 +186,9 @@ def print_row(row: dict, rounds: int) -> None:
           f"(medians of {rounds})", flush=True)
 
 
-def bounds(cost: Cost, rows: list[dict], dtype: torch.dtype) -> dict:
+def bounds(cost: Cost, rows: list[dict], dtype: torch.dtype, device: torch.device) -> dict:
     """The batch-1 memory bound and the batch-32 compute bound (or the largest level run), and how far Strata is."""
-    bandwidth, flop_s = copy_bandwidth(), matmul_throughput(dtype)
+    bandwidth, flop_s = copy_bandwidth(device), matmul_throughput(dtype, device)
     by_level = {row["concurrency"]: row for row in rows}
     one, many = by_level.get(1), by_level.get(32) or by_level[max(by_level)]
     memory_bound, compute_bound = bandwidth / cost.weight_bytes, flop_s / cost.flops
@@ -190,7 +202,8 @@ def bounds(cost: Cost, rows: list[dict], dtype: torch.dtype) -> dict:
     return out
 
 
-def print_bounds(b: dict, dtype: str) -> None:
+def print_bounds(b: dict, dtype: str, device: torch.device) -> None:
+    where = f"{torch.get_num_threads()} thread(s)" if device.type == "cpu" else str(device)
     if "strata_compiled_of_memory_bound" in b:
         print(f"memory bound at batch 1: {b['weight_bytes_per_token'] / 1e6:.1f} MB of weights per token / "
               f"{b['copy_bandwidth_bytes_s'] / 1e9:.1f} GB/s copy bandwidth = {b['memory_bound_tok_s']:.0f} tok/s; "
@@ -198,7 +211,7 @@ def print_bounds(b: dict, dtype: str) -> None:
               f"({1 / b['strata_compiled_of_memory_bound']:.1f}x from it), eager "
               f"{b['strata_eager_of_memory_bound']:.1%}")
     print(f"compute bound at batch {b['compute_bound_level']}: {b['flops_per_token'] / 1e6:.2f} MFLOP per token / "
-          f"{b['matmul_flop_s'] / 1e9:.1f} GFLOP/s matmul ({dtype}, {torch.get_num_threads()} thread(s)) = "
+          f"{b['matmul_flop_s'] / 1e9:.1f} GFLOP/s matmul ({dtype}, {where}) = "
           f"{b['compute_bound_tok_s']:.0f} tok/s; compiled reaches {b['strata_compiled_of_compute_bound']:.1%} of it "
           f"({1 / b['strata_compiled_of_compute_bound']:.1f}x from it), eager "
           f"{b['strata_eager_of_compute_bound']:.1%}")
@@ -212,6 +225,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per level; medians are reported")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]: both engines and the bounds run there")
     parser.add_argument("--quick", action="store_true", help="tiny run that checks the benchmark still works")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -229,9 +243,11 @@ def main() -> None:
     path = resolve_model(args.model)
     dtype = getattr(torch, args.dtype)
     levels = [int(c) for c in args.concurrency.split(",")]
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-    runs = {"strata_compiled": strata_run(LLM(path, dtype=args.dtype, max_num_seqs=max(levels), enforce_eager=False)),
-            "strata_eager": strata_run(LLM(path, dtype=args.dtype, max_num_seqs=max(levels), enforce_eager=True)),
+    device = torch.device(args.device)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval().to(device)
+    engine = dict(dtype=args.dtype, max_num_seqs=max(levels), device=args.device)
+    runs = {"strata_compiled": strata_run(LLM(path, enforce_eager=False, **engine)),
+            "strata_eager": strata_run(LLM(path, enforce_eager=True, **engine)),
             "transformers": transformers_run(hf)}
     vocab = hf.config.vocab_size
     warm_up(runs, vocab, levels, args.prompt_len)
@@ -242,10 +258,11 @@ def main() -> None:
         print_row(rows[-1], args.rounds)
     element_bytes = torch.finfo(dtype).bits // 8
     cost = decode_cost(hf, element_bytes, context=args.prompt_len + args.output_len / 2)
-    limits = bounds(cost, rows, dtype)
-    print_bounds(limits, args.dtype)
+    limits = bounds(cost, rows, dtype, device)
+    print_bounds(limits, args.dtype, device)
 
-    summary = {"benchmark": "engine_throughput", "model": path, "dtype": args.dtype, "prompt_len": args.prompt_len,
+    summary = {"benchmark": "engine_throughput", "model": path, "dtype": args.dtype, "device": args.device,
+               "prompt_len": args.prompt_len,
                "output_len": args.output_len, "rounds": args.rounds, "torch_threads": torch.get_num_threads(),
                "results": rows, "bounds": limits}
     if args.json:

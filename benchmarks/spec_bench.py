@@ -25,6 +25,7 @@ steps that speculated (adaptive length may turn it off), and the cost of a verif
     OMP_NUM_THREADS=1 python benchmarks/spec_bench.py                       # every drafter, batch 1/8/32, T 0/0.7
     python benchmarks/spec_bench.py --drafters ngram --batches 1 --workloads edit
     python benchmarks/spec_bench.py --state-cost 1024                      # drafter state on a decode worker
+    python benchmarks/spec_bench.py --device cuda --batches 1,32          # on a GPU
     python benchmarks/spec_bench.py --quick --json                          # CI smoke run
 """
 from __future__ import annotations
@@ -170,7 +171,7 @@ def measure(plain: LLM, spec: LLM, corpus: Corpus, workload: str, batch: int, te
 
 def build(args: argparse.Namespace, drafter: str | None) -> LLM:
     kwargs = dict(dtype=args.dtype, enforce_eager=args.eager, max_num_seqs=max(args.batches),
-                  max_model_len=2048, num_blocks=4096, seed=0)
+                  max_model_len=2048, num_blocks=4096, seed=0, device=args.device)
     if drafter is None:
         return LLM(**kwargs)
     return LLM(speculative=drafter, num_speculative_tokens=args.k, speculative_adaptive=not args.no_adaptive,
@@ -184,7 +185,8 @@ def state_cost(args: argparse.Namespace) -> dict:
     prefilled on another worker: the target then computes only the last block here, so the head reads zeros for
     the rest, exactly as on a decode worker."""
     n = args.state_cost
-    kwargs = dict(dtype=args.dtype, enforce_eager=args.eager, max_num_seqs=8, num_blocks=4096, seed=0)
+    kwargs = dict(dtype=args.dtype, enforce_eager=args.eager, max_num_seqs=8, num_blocks=4096, seed=0,
+                  device=args.device)
     eagle = LLM(speculative="eagle", speculative_adaptive=False, num_speculative_tokens=4, **kwargs)
     draft = LLM(speculative="draft", speculative_adaptive=False, num_speculative_tokens=4, **kwargs)
     params = SamplingParams(max_tokens=64, ignore_eos=True, output_kind="final_only")
@@ -270,6 +272,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=96)
     p.add_argument("-k", type=int, default=8, help="num_speculative_tokens (the adaptive length picks <= k)")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where both engines run")
     p.add_argument("--eager", action="store_true", help="no compiled decode / verify steps (both engines)")
     p.add_argument("--no-adaptive", action="store_true", help="always propose k tokens")
     p.add_argument("--quick", action="store_true", help="tiny run that checks the benchmark still works")

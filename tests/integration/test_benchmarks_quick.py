@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ["engine_throughput.py", "kvstore_bench.py", "transfer_bench.py", "transfer_ab.py", "routing_sim.py", "ttft_breakdown.py",
               "moe_bench.py", "ttft_tiers.py", "quant_bench.py", "spec_bench.py", "soak.py", "routing_grid.py",
-              "tenant_probe.py", "migration_bench.py", "serve_bench.py"]
+              "tenant_probe.py", "migration_bench.py", "serve_bench.py", "gpu_kernels.py"]
 
 
 @pytest.mark.parametrize("script", BENCHMARKS)
