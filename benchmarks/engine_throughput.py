@@ -141,7 +141,7 @@ def decode_cost(model, element_bytes: int, context: float) -> Cost:
     return Cost(weight_bytes, 2 * active + attention)
 
 
-def copy_bandwidth(device: torch.device, num_bytes: int = 256 << 20, repeats: int = 5) -> float:
+def copy_bandwidth(device: torch.device = torch.device("cpu"), num_bytes: int = 256 << 20, repeats: int = 5) -> float:
     """Bytes per second read + written by a large `torch` copy on `device` (median of `repeats`)."""
     src = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
