@@ -6,9 +6,10 @@ Schemes: bf16 (the baseline: `quantization=None`, `kv_cache_dtype="auto"`, model
 int8 KV with bf16 weights (`kv_cache_dtype=...`). Every figure is measured here, in this run:
 
 1. Bytes. Weight bytes: every parameter AND buffer of every module of the loaded model (a packed int4 weight is a
-   uint8/int32 buffer, its scales and zeros are buffers too), each storage counted once; ratio to bf16's. Every
-   scheme keeps the embedding and lm_head in bf16 (engine/quant/apply.py), so the tables also give `layers`, the
-   ratio without them. (The bundled model ties lm_head to the embedding; the transposed copy of it that CPU
+   uint8/int32 buffer, its scales and zeros are buffers too), each storage counted once; ratio to bf16's. A scheme
+   keeps the embedding and lm_head in bf16 (engine/quant/apply.py), so the tables also give `layers`, the ratio
+   without them; its "+vocab" variant (`quantize_vocab=True`, `--quantize-vocab`) quantizes them too, and the byte,
+   perplexity and speed targets are judged on those (one configuration meeting all three). (The bundled model ties lm_head to the embedding; the transposed copy of it that CPU
    logits use is a plain attribute, not a parameter or buffer, and is not counted.) KV bytes per token: the
    engine's cache, `block_bytes` (values and scales of one block, every layer) / `block_size`.
 2. Perplexity of the bundled model (`models/strata-moe-tiny`) on its recipe's held-out split: the files of
@@ -107,6 +108,7 @@ class Variant(NamedTuple):
     label: str
     quantization: str | None
     kv_cache_dtype: str = "auto"
+    quantize_vocab: bool = False        # "+vocab": the LM head and embedding too (`--quantize-vocab`)
 
 
 class WeightBytes(NamedTuple):
@@ -117,8 +119,11 @@ class WeightBytes(NamedTuple):
 
 
 def weight_variants(group_size: int) -> list[Variant]:
-    return [Variant("bf16", None), Variant("int8", "int8"), Variant(f"int4-g{group_size}", "int4"),
-            Variant("fp8", "fp8"), Variant("mxfp4", "mxfp4")]
+    """bf16, each scheme on the linears, and the schemes with byte targets on the vocabulary matrices too."""
+    schemes = [Variant("int8", "int8"), Variant(f"int4-g{group_size}", "int4"), Variant("fp8", "fp8"),
+               Variant("mxfp4", "mxfp4")]
+    vocab = [Variant(v.label + "+vocab", v.quantization, quantize_vocab=True) for v in schemes if v.label != "fp8"]
+    return [Variant("bf16", None), *schemes, *vocab]
 
 
 KV_VARIANTS = [Variant("kv-fp8", None, "fp8"), Variant("kv-int8", None, "int8")]
@@ -132,7 +137,8 @@ def make_llm(model: str | None, variant: Variant, args: argparse.Namespace, **kw
     """The engine for `variant`, or why it could not be built (a scheme that fails is a row, not a crash)."""
     try:
         return LLM(model, dtype="bfloat16", quantization=variant.quantization, quant_group_size=args.group_size,
-                   kv_cache_dtype=variant.kv_cache_dtype, enforce_eager=not args.compiled, **kwargs)
+                   quantize_vocab=variant.quantize_vocab, kv_cache_dtype=variant.kv_cache_dtype,
+                   enforce_eager=not args.compiled, **kwargs)
     except Exception as exc:  # noqa: BLE001 - reported in the output, per variant
         return failure(exc)
 
@@ -151,12 +157,12 @@ def weight_bytes(model: torch.nn.Module) -> WeightBytes:
             total += size
             experts += size if "experts" in full else 0
             embed += size if full.startswith("embed") else 0
-            head += size if "lm_head" in full or full.startswith("head") else 0
+            head += size if "lm_head" in full or full.startswith(("head", "quant_head")) else 0
     return WeightBytes(total, experts, embed, head)
 
 
 def layer_bytes(wb: dict) -> int:
-    """Weight bytes without the embedding and an untied lm_head (which every scheme keeps in the model dtype)."""
+    """Weight bytes without the embedding and the lm_head (which only "+vocab" variants quantize)."""
     return wb["total"] - wb["embed"] - wb["head"]
 
 
@@ -251,9 +257,9 @@ def add_ratios(rows: dict[str, dict]) -> None:
 
 def print_quality_row(label: str, row: dict) -> None:
     if "error" in row:
-        print(f"  {label:<10} not measured: {row['error']}", flush=True)
+        print(f"  {label:<15} not measured: {row['error']}", flush=True)
         return
-    print(f"  {label:<10} weights {row['weight_bytes']['total'] / 1e6:7.2f} MB, KV {row['kv_bytes_per_token']:7.1f} "
+    print(f"  {label:<15} weights {row['weight_bytes']['total'] / 1e6:7.2f} MB, KV {row['kv_bytes_per_token']:7.1f} "
           f"B/token, perplexity {row['perplexity']:.4f} over {row['tokens_scored']} tokens "
           f"({row['seconds']:.0f} s)", flush=True)
 
@@ -261,15 +267,15 @@ def print_quality_row(label: str, row: dict) -> None:
 def report_quality(q: dict) -> None:
     print(f"\n[bytes, perplexity, agreement] bundled model, bfloat16; perplexity over {q['windows']} held-out windows "
           f"of {q['window_tokens']} tokens; greedy agreement over {q['greedy_prompts']} prompts")
-    print("ratio: to bf16's; layers: weight bytes without the embedding (tied lm_head), which stays bf16")
-    print(f"{'scheme':<10} {'weights MB':>10} {'ratio':>6} {'layers':>6} {'KV B/tok':>9} {'ratio':>6} "
+    print("ratio: to bf16's; layers: weight bytes without the embedding (tied lm_head), bf16 unless +vocab")
+    print(f"{'scheme':<15} {'weights MB':>10} {'ratio':>6} {'layers':>6} {'KV B/tok':>9} {'ratio':>6} "
           f"{'perplexity':>10} {'ratio':>7} {'agree':>6} {'prefix':>6} {'same':>6}")
     for label, row in q["rows"].items():
         if "error" in row or "ppl_ratio" not in row:
-            print(f"{label:<10} not measured: {row.get('error', 'no bf16 baseline')}")
+            print(f"{label:<15} not measured: {row.get('error', 'no bf16 baseline')}")
             continue
         a = row["agreement"]
-        print(f"{label:<10} {row['weight_bytes']['total'] / 1e6:10.2f} {row['weight_ratio']:5.3f}x "
+        print(f"{label:<15} {row['weight_bytes']['total'] / 1e6:10.2f} {row['weight_ratio']:5.3f}x "
               f"{row['layers_ratio']:5.3f}x {row['kv_bytes_per_token']:9.1f} {row['kv_ratio']:5.3f}x "
               f"{row['perplexity']:10.4f} {row['ppl_ratio']:6.4f}x {a['agree']:6.1%} {a['prefix']:6.1%} "
               f"{a['same']:>3}/{a['sequences']}")
@@ -392,13 +398,13 @@ def report_decode(d: dict, args) -> None:
           f"prompt, medians of {args.rounds} interleaved rounds, {torch.get_num_threads()} thread(s), "
           f"{'compiled' if args.compiled else 'eager'}")
     for label, error in d["errors"].items():
-        print(f"{label:<10} not measured: {error}")
+        print(f"{label:<15} not measured: {error}")
     if not d["rows"] or "weight_ratio" not in next(iter(d["rows"].values())):
         return
     print("ratio: weight bytes / bf16's; layers: the same without the embedding and lm_head (kept in bf16)")
     print(f"copy bandwidth {d['copy_bandwidth_bytes_s'] / 1e9:.1f} GB/s (read + written, median of "
           f"{len(d['bandwidth_samples'])})")
-    print(f"{'scheme':<10} {'weights MB':>10} {'ratio':>6} {'layers':>6} | " + " | ".join(
+    print(f"{'scheme':<15} {'weights MB':>10} {'ratio':>6} {'layers':>6} | " + " | ".join(
         f"{'b' + str(b) + ' tok/s':>10} {'vs bf16':>7} {'MB/step':>8} {'bound':>8} {'of bound':>8}" for b in BATCHES))
     for label, row in d["rows"].items():
         cells = []
@@ -406,7 +412,7 @@ def report_decode(d: dict, args) -> None:
             c = row[f"b{batch}"]
             cells.append(f"{c['tok_s']:10.1f} {c['vs_bf16']:6.2f}x {c['step_bytes'] / 1e6:8.1f} "
                          f"{c['bound_tok_s']:8.1f} {c['of_bound']:8.1%}")
-        print(f"{label:<10} {row['weight_bytes']['total'] / 1e6:10.1f} {row['weight_ratio']:5.3f}x "
+        print(f"{label:<15} {row['weight_bytes']['total'] / 1e6:10.1f} {row['weight_ratio']:5.3f}x "
               f"{row['layers_ratio']:5.3f}x | "
               + " | ".join(cells))
 

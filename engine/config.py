@@ -35,6 +35,7 @@ class ModelConfig:
                                         # compile unless STRATA_ENFORCE_EAGER=1
     quantization: str | None = None     # one of QUANTIZATION_SCHEMES, or None (the checkpoint's own, else none)
     quant_group_size: int = 128         # int4: columns per scale/zero group
+    quantize_vocab: bool = False        # also the LM head and token embedding, with the same scheme
 
     def __post_init__(self) -> None:
         _require(bool(self.path), "model path must be a non-empty folder path")
@@ -45,6 +46,8 @@ class ModelConfig:
                  f"quantization must be one of {QUANTIZATION_SCHEMES} or unset, got {self.quantization!r}")
         _require(self.quant_group_size in QUANT_GROUP_SIZES,
                  f"quant_group_size must be one of {QUANT_GROUP_SIZES}, got {self.quant_group_size}")
+        _require(not self.quantize_vocab or self.quantization is not None,
+                 "quantize_vocab needs a load-time quantization scheme: set quantization as well")
 
 
 @dataclass(frozen=True)
@@ -70,11 +73,12 @@ def kv_storage_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
     return {"auto": model_dtype, "fp8": "float8_e4m3fn", "int8": "int8"}[kv_cache_dtype]
 
 
-def quantization_label(quantization: str | None, group_size: int, checkpoint_config: dict[str, Any]) -> str:
+def quantization_label(quantization: str | None, group_size: int, checkpoint_config: dict[str, Any],
+                       quantize_vocab: bool = False) -> str:
     """The weights' quantization as the model fingerprint (and so the KV namespace) names it; torch-free, so the
     router computes the same label as the workers. A pre-quantized checkpoint (config.json `quantization_config`)
     is named by its method and a digest of that config; a load-time scheme by its name (int4 with its group
-    size); "none" otherwise."""
+    size, "+vocab" when the vocabulary matrices are quantized too); "none" otherwise."""
     declared = checkpoint_config.get("quantization_config")
     if declared:
         method = str(declared.get("quant_method", "unknown")) if isinstance(declared, dict) else "unknown"
@@ -82,7 +86,8 @@ def quantization_label(quantization: str | None, group_size: int, checkpoint_con
         return f"ckpt-{method}-{digest.hexdigest()}"
     if quantization is None:
         return "none"
-    return f"int4-g{group_size}" if quantization == "int4" else quantization
+    label = f"int4-g{group_size}" if quantization == "int4" else quantization
+    return label + "+vocab" if quantize_vocab else label
 
 
 # `--speculative`: how a decode step proposes tokens for the target to verify (engine/spec/).

@@ -27,7 +27,7 @@ from engine.models.errors import (CheckpointError, ConfigFieldError, MissingFile
                                   TensorShapeError, TokenizerMismatchError, UnsupportedArchitectureError)
 from engine.models.spec import ModelSpec
 from engine.models.weights import load_weights
-from engine.quant.apply import quantize_model
+from engine.quant.apply import quantize_model, quantize_vocab
 from engine.quant.formats import CheckpointQuant, checkpoint_quantization
 from engine.quant.prequantized import load_prequantized
 from engine.quant.schemes import make_scheme
@@ -100,6 +100,9 @@ def checkpoint_quant(ckpt: Checkpoint, model_config: ModelConfig) -> CheckpointQ
     if cq is not None and model_config.quantization not in (None, cq.scheme):
         raise ValueError(f"quantization={model_config.quantization!r} differs from the checkpoint's own "
                          f"({cq.name}, scheme {cq.scheme!r}); leave quantization unset or set it to {cq.scheme!r}")
+    if cq is not None and model_config.quantize_vocab:
+        raise ValueError(f"quantize_vocab: the checkpoint is already quantized ({cq.name}); its vocabulary "
+                         "matrices load as it stores them")
     return cq
 
 
@@ -124,11 +127,15 @@ def load_model(model_config: ModelConfig, moe_backend: MoESetup | str = "local")
     model = CausalLM(ckpt.spec, dtype, device, moe_backend)
     _fill(model, ckpt, cq)
     if cq is None and model_config.quantization is not None:
-        quantize_model(model, make_scheme(model_config.quantization, model_config.quant_group_size))
+        scheme = make_scheme(model_config.quantization, model_config.quant_group_size)
+        quantize_model(model, scheme)
+        if model_config.quantize_vocab:
+            quantize_vocab(model, scheme)
     model.post_load()
     model.eval()
     # NOTE: the fingerprint's label is engine.config's torch-free one, which the router computes too
-    label = quantization_label(model_config.quantization, model_config.quant_group_size, ckpt.config)
+    label = quantization_label(model_config.quantization, model_config.quant_group_size, ckpt.config,
+                               model_config.quantize_vocab)
     tag = cq.name if cq is not None else label
     return LoadedModel(model, ckpt.spec, tokenizer, ckpt.fingerprint(model_config.dtype, label),
                        ckpt.generation_config, tag)

@@ -59,6 +59,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quantization", choices=QUANTIZATION_SCHEMES, default=None,
                    help="the workers' --quantization (part of the block namespace)")
     p.add_argument("--quant-group-size", type=int, choices=QUANT_GROUP_SIZES, default=128)
+    p.add_argument("--quantize-vocab", action="store_true",
+                   help="the workers' --quantize-vocab (part of the block namespace)")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="the workers' KV cache dtype (part of the block namespace)")
     p.add_argument("--block-size", type=int, default=16)
@@ -158,7 +160,8 @@ class Router:
 
 def build_router(args: argparse.Namespace) -> Router:
     model = ServedModel.load(resolve_model(args.model), args.dtype, args.block_size, args.max_model_len,
-                             args.model_id, QuantChoice(args.quantization, args.quant_group_size, args.kv_cache_dtype))
+                             args.model_id, QuantChoice(args.quantization, args.quant_group_size, args.kv_cache_dtype,
+                                                        args.quantize_vocab))
     base = CostModelConfig()
     changes = {}
     if args.local_prefill_max_tokens is not None:

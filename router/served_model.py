@@ -27,6 +27,7 @@ class QuantChoice:
     quantization: str | None = None
     group_size: int = 128
     kv_cache_dtype: str = "auto"
+    quantize_vocab: bool = False
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ class ServedModel:
         spec = ckpt.spec
         # checks block_size and kv_cache_dtype as the workers' config does; salt-free
         cache = CacheConfig(block_size=block_size, kv_cache_dtype=quant.kv_cache_dtype)
-        label = quantization_label(quant.quantization, quant.group_size, ckpt.config)
+        label = quantization_label(quant.quantization, quant.group_size, ckpt.config, quant.quantize_vocab)
         kv_dtype = kv_storage_dtype(cache.kv_cache_dtype, dtype)
         namespace = Namespace.for_model(ckpt.fingerprint(dtype, label), num_layers=spec.num_layers,
                                         num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,

@@ -6,8 +6,8 @@ from typing import Optional
 
 import typer
 
-from strata.cli_serve import (ADAPTIVE_HELP, NUM_SPECULATIVE_HELP, SPECULATIVE_HELP, SPECULATIVE_MODEL_HELP,
-                              check_num_speculative_tokens, check_speculative)
+from strata.cli_serve import (ADAPTIVE_HELP, NUM_SPECULATIVE_HELP, QUANTIZE_VOCAB_HELP, SPECULATIVE_HELP,
+                              SPECULATIVE_MODEL_HELP, check_num_speculative_tokens, check_speculative)
 from strata.speculative_options import DEFAULT_NUM_SPECULATIVE_TOKENS
 
 app = typer.Typer(help="Strata: disaggregated LLM serving with a tiered, pooled KV-cache store.",
@@ -52,6 +52,7 @@ def generate(
     quantization: Optional[str] = typer.Option(None, "--quantization",
                                                help="weights: int8, int4, fp8 or mxfp4 (default: the checkpoint's)"),
     quant_group_size: int = typer.Option(128, "--quant-group-size", help="int4 group size: 32, 64 or 128"),
+    quantize_vocab: bool = typer.Option(False, "--quantize-vocab", help=QUANTIZE_VOCAB_HELP),
     kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="KV cache: auto, fp8 or int8"),
     speculative: Optional[str] = typer.Option(None, "--speculative", callback=check_speculative,
                                               help=SPECULATIVE_HELP),
@@ -68,8 +69,8 @@ def generate(
     try:
         spec = speculative_config(speculative, num_speculative_tokens, speculative_model, not no_speculative_adaptive)
         llm = LLM(model, device=device, dtype=dtype, max_num_seqs=1, enforce_eager=True if enforce_eager else None,
-                  quantization=quantization, quant_group_size=quant_group_size, kv_cache_dtype=kv_cache_dtype,
-                  speculative=speculative, num_speculative_tokens=num_speculative_tokens,
+                  quantization=quantization, quant_group_size=quant_group_size, quantize_vocab=quantize_vocab,
+                  kv_cache_dtype=kv_cache_dtype, speculative=speculative, num_speculative_tokens=num_speculative_tokens,
                   speculative_model=spec.draft_model, speculative_adaptive=spec.adaptive)
         params = llm.default_sampling_params(
             max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,

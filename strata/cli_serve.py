@@ -75,6 +75,7 @@ def check_num_speculative_tokens(value: Optional[int]) -> Optional[int]:
 
 
 SPECULATIVE_HELP = "speculative decoding: ngram, draft or eagle (default: off)"
+QUANTIZE_VOCAB_HELP = "also quantize the LM head and token embedding with --quantization's scheme"
 NUM_SPECULATIVE_HELP = "the most tokens drafted per request and step (1-16, default 4)"
 SPECULATIVE_MODEL_HELP = "the draft checkpoint (draft) or EAGLE head (eagle) (default: the bundled one)"
 ADAPTIVE_HELP = "always draft --num-speculative-tokens (default: adapt the length to acceptance)"
@@ -125,6 +126,7 @@ def serve(
     quantization: Optional[str] = typer.Option(None, "--quantization",
                                                help="weights: int8, int4, fp8 or mxfp4 (default: the checkpoint's)"),
     quant_group_size: Optional[int] = typer.Option(None, "--quant-group-size", help="int4 group size: 32, 64, 128"),
+    quantize_vocab: bool = typer.Option(False, "--quantize-vocab", help=QUANTIZE_VOCAB_HELP),
     kv_cache_dtype: Optional[str] = typer.Option(None, "--kv-cache-dtype", help="KV cache: auto, fp8 or int8"),
     speculative: Optional[str] = typer.Option(None, "--speculative", callback=check_speculative,
                                               help=f"decode workers' {SPECULATIVE_HELP}"),
@@ -185,7 +187,8 @@ def serve(
                      transfer=transfer, policy=policy,
                      log_level=log_level, disk_tier=False if no_disk else None,
                      enforce_eager=True if enforce_eager else None, quantization=quantization,
-                     quant_group_size=quant_group_size, kv_cache_dtype=kv_cache_dtype, speculative=speculative,
+                     quant_group_size=quant_group_size, quantize_vocab=True if quantize_vocab else None,
+                     kv_cache_dtype=kv_cache_dtype, speculative=speculative,
                      num_speculative_tokens=num_speculative_tokens, speculative_model=speculative_model,
                      speculative_adaptive=False if no_speculative_adaptive else None,
                      expert_parallel=expert_parallel, moe_capacity_factor=moe_capacity_factor,

@@ -112,6 +112,7 @@ class ServeConfig:
     enforce_eager: bool = False
     quantization: str | None = None     # workers' weights: int8, int4, fp8, mxfp4 (None: the checkpoint's own)
     quant_group_size: int = 128
+    quantize_vocab: bool = False        # workers quantize the LM head and embedding too (part of the namespace)
     kv_cache_dtype: str = "auto"        # auto, fp8 or int8: workers' KV cache and the router's block namespace
     speculative: str | None = None
     num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
@@ -142,7 +143,8 @@ class ServeConfig:
         if self.kv_encryption_key_file:
             from kvstore.sealing import load_key  # lazy: cryptography loads only where encryption is on
             load_key(self.kv_encryption_key_file)  # NOTE: in the parent too: a bad key file fails before any start
-        ModelConfig("-", quantization=self.quantization, quant_group_size=self.quant_group_size)  # names the field
+        ModelConfig("-", quantization=self.quantization, quant_group_size=self.quant_group_size,
+                    quantize_vocab=self.quantize_vocab)                                    # names the field
         CacheConfig(kv_cache_dtype=self.kv_cache_dtype)
         # NOTE: here, in the parent: a bad drafter (or a missing draft folder) fails before any process starts
         speculative_config(self.speculative, self.num_speculative_tokens, self.speculative_model,
@@ -195,6 +197,7 @@ class ServeConfig:
 def quant_args(c: ServeConfig) -> list[str]:
     """The quantization flags the router and every worker take alike (the router needs them for the namespace)."""
     args = ["--kv-cache-dtype", c.kv_cache_dtype, "--quant-group-size", str(c.quant_group_size)]
+    args += ["--quantize-vocab"] if c.quantize_vocab else []
     return args + (["--quantization", c.quantization] if c.quantization else [])
 
 

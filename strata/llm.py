@@ -47,6 +47,7 @@ class EngineArgs:
     enforce_eager: bool | None = None   # None: compiled unless STRATA_ENFORCE_EAGER=1
     quantization: str | None = None     # int8, int4, fp8, mxfp4 (None: the checkpoint's own, else none)
     quant_group_size: int = 128         # int4 group size
+    quantize_vocab: bool = False        # also the LM head and token embedding (with `quantization`)
     kv_cache_dtype: str = "auto"        # auto (the model dtype), fp8 or int8
     speculative: str | None = None      # ngram, draft or eagle (None: off)
     num_speculative_tokens: int = 4     # the most proposed per request and step
@@ -60,7 +61,7 @@ class EngineArgs:
 
     def configs(self) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
         model = ModelConfig(resolve_model(self.model), self.device, self.dtype, self.seed, self.enforce_eager,
-                            self.quantization, self.quant_group_size)
+                            self.quantization, self.quant_group_size, self.quantize_vocab)
         cache = CacheConfig(self.block_size, self.num_blocks, self.enable_prefix_caching,
                             kv_cache_dtype=self.kv_cache_dtype)
         scheduler = SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len)

@@ -125,6 +125,8 @@ def parse_config(role: str, argv: Sequence[str] | None = None) -> WorkerConfig:
                    help="quantize the weights at load time (default: the checkpoint's own quantization, else none)")
     p.add_argument("--quant-group-size", type=int, choices=QUANT_GROUP_SIZES, default=d.quant_group_size,
                    help="int4 group size")
+    p.add_argument("--quantize-vocab", action="store_true",
+                   help="also quantize the LM head and token embedding with --quantization's scheme")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype,
                    help="KV cache storage: auto (the model dtype), fp8 or int8 (per-block, per-head scales)")
     add_speculative_flags(p, d)
@@ -185,8 +187,8 @@ def _config_of(role: str, args: argparse.Namespace) -> WorkerConfig:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_requests=args.max_requests,
         max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
-        quantization=args.quantization, quant_group_size=args.quant_group_size, kv_cache_dtype=args.kv_cache_dtype,
-        speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
+        quantization=args.quantization, quant_group_size=args.quant_group_size, quantize_vocab=args.quantize_vocab,
+        kv_cache_dtype=args.kv_cache_dtype, speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
         speculative_model=args.speculative_model, speculative_adaptive=args.speculative_adaptive,
         lease_ttl_s=args.lease_ttl_s, handoff_bytes=args.handoff_mib << 20,
         host_tier_bytes=args.host_tier_mib << 20, transfer_deadline_s=args.transfer_deadline_s,

@@ -75,6 +75,7 @@ class WorkerConfig:
     enforce_eager: bool = False
     quantization: str | None = None
     quant_group_size: int = 128
+    quantize_vocab: bool = False
     kv_cache_dtype: str = "auto"
     speculative: str | None = None
     num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
@@ -115,7 +116,8 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         ModelConfig(self.model or "-", dtype=self.dtype, quantization=self.quantization,
-                    quant_group_size=self.quant_group_size)            # validates those fields, naming them
+                    quant_group_size=self.quant_group_size,
+                    quantize_vocab=self.quantize_vocab)                # validates those fields, naming them
         CacheConfig(self.block_size, kv_cache_dtype=self.kv_cache_dtype)
         self.speculative_config()                                     # validates the speculative fields
         _require(self.role in ROLES, f"role must be one of {ROLES}, got {self.role!r}")

@@ -83,6 +83,7 @@ def build_engine(config: WorkerConfig, on_block_stored: Callable | None = None,
                              kv_cache_dtype=getattr(config, "kv_cache_dtype", "auto"),
                              quantization=getattr(config, "quantization", None),
                              quant_group_size=getattr(config, "quant_group_size", 128),
+                             quantize_vocab=getattr(config, "quantize_vocab", False),
                              speculative=_speculative_of(config),
                              moe=config.moe_config() if hasattr(config, "moe_config") else None, ep_group=ep_group)
 
@@ -100,12 +101,13 @@ def build_engine_from(model: str, dtype: str = "float32", block_size: int = 16, 
                       max_model_len: int = 2048, *, enforce_eager: bool | None = None, engine_text: bool = False,
                       on_block_stored: Callable | None = None, on_block_removed: Callable | None = None,
                       kv_cache_dtype: str = "auto", quantization: str | None = None,
-                      quant_group_size: int = 128, speculative: SpeculativeConfig | None = None,
-                      moe: MoEConfig | None = None, ep_group: EPGroup | None = None) -> EngineBundle:
+                      quant_group_size: int = 128, quantize_vocab: bool = False,
+                      speculative: SpeculativeConfig | None = None, moe: MoEConfig | None = None,
+                      ep_group: EPGroup | None = None) -> EngineBundle:
     """`engine_text=True` lets the engine detokenize (the single-engine reference); workers leave it False.
     `on_block_stored` / `on_block_removed` are the block manager's device-tier hooks (the worker's KV events).
-    `kv_cache_dtype`: auto (the model dtype), fp8 or int8 (`CacheConfig`); `quantization`, `quant_group_size`:
-    the weights' (`ModelConfig`); `speculative`: speculative decoding (None or a config without a method: off;
+    `kv_cache_dtype`: auto (the model dtype), fp8 or int8 (`CacheConfig`); `quantization`, `quant_group_size`,
+    `quantize_vocab`: the weights' (`ModelConfig`); `speculative`: speculative decoding (None or a config without a method: off;
     `draft_model` must be a resolved folder: `strata.speculative_options.speculative_config`); `moe`, `ep_group`:
     how sparse layers run their experts (expert_parallel needs the group)."""
     cache_config = CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=True,
@@ -113,7 +115,7 @@ def build_engine_from(model: str, dtype: str = "float32", block_size: int = 16, 
     scheduler_config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                        max_model_len=max_model_len)
     model_config = ModelConfig(model, dtype=dtype, enforce_eager=enforce_eager, quantization=quantization,
-                               quant_group_size=quant_group_size)
+                               quant_group_size=quant_group_size, quantize_vocab=quantize_vocab)
     spec_tokens = speculative.num_speculative_tokens if speculative is not None and speculative.enabled else 0
     setup = MoESetup(moe or MoEConfig(), ep_group)
     runner = ModelRunner(model_config, cache_config, moe_backend=setup, max_num_seqs=max_num_seqs,

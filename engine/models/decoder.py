@@ -49,6 +49,7 @@ class CausalLM(nn.Module):
             nn.Parameter(column_major(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device),
                          requires_grad=False)
         self.head_weight: torch.Tensor | None = None      # [V, H] for logits, derived in post_load
+        self.quant_head: nn.Module | None = None          # a quantized LM head (engine/quant/apply.quantize_vocab)
         self.rotary = RotaryTable(spec.rope, spec.head_dim, spec.max_position_embeddings, device, dtype)
 
     def forward(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend,
@@ -68,6 +69,9 @@ class CausalLM(nn.Module):
             experts = getattr(layer.mlp, "experts", None)
             if hasattr(experts, "post_load"):
                 experts.post_load()     # an expert-parallel layer keeps its own slots
+        if self.quant_head is not None:
+            self.head_weight = None
+            return
         self.head_weight = (self.embed.weight if self.lm_head is None else self.lm_head).detach()  # [V, H]
         if self.lm_head is None and self.head_weight.device.type == "cpu":
             # NOTE: tied weights: the embedding lookup wants rows contiguous, the logits GEMM wants columns (see
@@ -76,4 +80,6 @@ class CausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits `[N, vocab]` for hidden rows `[N, H]`."""
+        if self.quant_head is not None:
+            return self.quant_head(self.norm(hidden)).float()             # [N, V]
         return F.linear(self.norm(hidden), self.head_weight).float()      # [N, V]

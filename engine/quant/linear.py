@@ -11,6 +11,11 @@ same optional `bias` parameter), where W is a `QuantizedWeight`'s `dequantize()`
     DequantLinear any, where no kernel takes it      dequantize in forward, then F.linear (logged once)
     ConcatLinear  parts that cannot be one weight    each part's module, outputs concatenated
 
+`QuantLinear.rows(ids)` dequantizes chosen output rows (`[T, k]`), which is how `QuantEmbedding` looks tokens up in
+a quantized vocabulary matrix: with tied embeddings the LM head's module serves the lookup from its own buffers.
+Only the CPU int4 module cannot (torch's int4pack layout interleaves rows); `quantized_rows` then keeps a
+row-major copy (packed nibbles, 0.5 byte per weight).
+
 `quantized_linear(qw, bias, dtype, device)` picks one; `quantized_linear_parts` joins fused parts (q|k|v). The
 quantized tensors are buffers, the bias a parameter (so a loader fills `<name>.bias` exactly as for Linear).
 Activations arrive in the model dtype `dtype`.
@@ -62,6 +67,11 @@ class QuantLinear(nn.Module):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor | None:
+        """float32 `[T, k]`: rows `ids` of the dequantized weight (input-feature order); None where the layout
+        cannot gather rows."""
+        return None
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
@@ -77,6 +87,9 @@ class Int8Linear(QuantLinear):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return int8_mm(x.to(self.kernel_dtype), self.q, self.scale).to(x.dtype)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor | None:
+        return self.q[ids].float() * self.scale[ids].float()[:, None]
 
 
 def unsigned_int4(qw: IntWeight) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,6 +133,34 @@ class Int4Linear(QuantLinear):
             return int4_mm_cuda(x, self.qpacked, self.scale, self.zero, self.group_size)
         return int4_mm_cpu(x.to(self.kernel_dtype), self.packed, self.group_size, self.scales_zeros).to(x.dtype)
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor | None:
+        if not self.on_cuda:
+            return None                          # torch's CPU int4pack layout interleaves rows
+        return packed_int4_rows(self.qpacked[ids], self.scale[ids], self.zero[ids], self.group_size)
+
+
+def packed_int4_rows(qpacked: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> torch.Tensor:
+    """float32 `[T, k]` from nibble-packed rows `[T, k/2]` (column 2j in the low nibble) and their scale and zero
+    `[T, k/g]`."""
+    codes = torch.stack((qpacked & 0x0F, qpacked >> 4), dim=-1).flatten(1).float()      # [T, k]
+    return (codes - zero.repeat_interleave(group_size, dim=1)) * scale.repeat_interleave(group_size, dim=1)
+
+
+class Int4Rows(QuantLinear):
+    """Row lookup only (no matmul): a row-major int4 copy for a quantized embedding on the CPU."""
+
+    def __init__(self, qw: IntWeight, dtype: torch.dtype, device: torch.device) -> None:
+        n, k = qw.shape
+        super().__init__(n, k, None, dtype, device)
+        self.group_size = qw.group_size
+        qpacked, scale, zero = triton_int4_layout(qw)
+        self.register_buffer("qpacked", qpacked.to(device))                        # [n, k/2] uint8
+        self.register_buffer("scale", scale.to(device))                             # [n, k/g] float32
+        self.register_buffer("zero", zero.to(device))                               # [n, k/g] float32
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return packed_int4_rows(self.qpacked[ids], self.scale[ids], self.zero[ids], self.group_size)
+
 
 class Fp8Linear(QuantLinear):
     def __init__(self, qw: Fp8Weight, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> None:
@@ -137,6 +178,9 @@ class Fp8Linear(QuantLinear):
             return fp8_mm_cuda(x, self.weight, self.scale)
         return fp8_mm_cpu(x, self.weight, self.scale, self.table)
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor | None:
+        return self.weight[ids].float() * self.scale[0, ids][:, None]
+
 
 class Mxfp4Linear(QuantLinear):
     def __init__(self, qw: Mxfp4Weight, bias: torch.Tensor | None, dtype: torch.dtype,
@@ -152,6 +196,9 @@ class Mxfp4Linear(QuantLinear):
         if self.on_cuda:
             return mxfp4_mm_cuda(x, self.blocks, self.scales)
         return F.linear(x, mxfp4_dequant(self.blocks, self.scales, self.table))    # [m, n]
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor | None:
+        return Mxfp4Weight(self.blocks[ids], self.scales[ids]).dequantize()
 
 
 class DequantLinear(QuantLinear):
@@ -173,8 +220,18 @@ class DequantLinear(QuantLinear):
                 self.fields[f.name] = value
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        tensors = {name[2:]: buf for name, buf in self.named_buffers(recurse=False) if name.startswith("w_")}
-        return F.linear(x, self.kind(**tensors, **self.fields).dequantize().to(x.dtype))
+        return F.linear(x, self._weight().dequantize().to(x.dtype))
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor | None:
+        if self.perm is not None:
+            return None                          # act-order columns: not a row of the matrix as it multiplies
+        return self._weight(ids).dequantize()
+
+    def _weight(self, ids: torch.Tensor | None = None) -> QuantizedWeight:
+        """The weight from the buffers (rows `ids` only, when given: every tensor of these formats is row-major)."""
+        tensors = {name[2:]: buf if ids is None else buf[ids]
+                   for name, buf in self.named_buffers(recurse=False) if name.startswith("w_")}
+        return self.kind(**tensors, **self.fields)
 
 
 def _compact(t: torch.Tensor) -> torch.Tensor:
@@ -271,3 +328,32 @@ def quantized_linear_parts(parts: list[QuantizedWeight], bias: torch.Tensor | No
             log.warning("quantized linear: %s", reason)
     modules = [quantized_linear(qw, None, dtype, device) for qw in parts]
     return ConcatLinear(modules, bias, dtype, torch.device(device))
+
+
+def quantized_rows(qw: QuantizedWeight, dtype: torch.dtype, device: torch.device | str,
+                   head: QuantLinear | None = None) -> QuantLinear:
+    """A module whose `rows` looks up `qw`'s rows: `head` itself when it holds `qw` in a layout that gathers rows
+    (tied embeddings share the LM head's buffers), else a module of its own."""
+    if head is not None and head.rows(torch.zeros(1, dtype=torch.long, device=torch.device(device))) is not None:
+        return head
+    device = torch.device(device)
+    if isinstance(qw, IntWeight) and qw.bits == 4 and device.type == "cpu":
+        return Int4Rows(qw, dtype, device)
+    return quantized_linear(qw, None, dtype, device)
+
+
+class QuantEmbedding(nn.Module):
+    """`nn.Embedding` over a quantized `[V, H]` matrix: `forward(ids [...]) -> [..., H]` in `dtype`, each row
+    dequantized on lookup by `source.rows` (a module from `quantized_rows`)."""
+
+    def __init__(self, source: QuantLinear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.source, self.dtype = source, dtype
+        self.num_embeddings, self.embedding_dim = source.out_features, source.in_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = self.source.rows(ids.reshape(-1))                                  # [T, H] float32
+        return flat.to(self.dtype).view(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, source={type(self.source).__name__}"
