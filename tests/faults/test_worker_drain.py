@@ -29,8 +29,11 @@ def states(client: StrataClient) -> dict[str, int]:
 
 
 def test_a_decode_worker_told_to_stop_finishes_its_streams_and_leaves_routing():
+    # NOTE: a drain timeout well above the streams' ~20 s: under a loaded CI machine 4 x 2,000 tokens outlasted the
+    # default 30 s, decode-0 exited, and the router migrated its streams (they finished, on decode-1)
     config = ServeConfig(prefill=0, decode=2, grpc_port=0, http_port=-1, enforce_eager=True,
-                         local_prefill_max_tokens=None, policy="round_robin", **SMALL_WORKERS)
+                         local_prefill_max_tokens=None, policy="round_robin", **SMALL_WORKERS,
+                         worker_args=("--drain-timeout-s", "300"))
     with own_cluster(config, "worker-drain") as cluster, StrataClient(cluster.grpc_address, timeout_s=300) as client:
         streams = [client.stream(f"a long story {i}", max_tokens=MAX_TOKENS, ignore_eos=True, include_metrics=True)
                    for i in range(STREAMS)]
@@ -62,7 +65,7 @@ def test_a_decode_worker_told_to_stop_finishes_its_streams_and_leaves_routing():
             t.join(300)
         assert sorted(finished) == list(range(STREAMS))
         drained = [finished[i][0] for i in range(STREAMS) if finished[i][1].metrics.decode_worker_id == "decode-0"]
-        assert len(drained) == STREAMS // 2
+        assert len(drained) == STREAMS // 2, "decode-0's streams did not finish there (cut, then migrated)"
         for i in range(STREAMS):
             assert finished[i][1].finish_reason == common_pb2.FINISH_REASON_LENGTH
             assert len(tokens[i]) == MAX_TOKENS, (i, len(tokens[i]))
