@@ -44,7 +44,7 @@ ENTRY_POINTS = {"router": "router", "prefill_worker": "prefill", "decode_worker"
 
 # Every optional branch of the templates on at once (the chart's own Secrets, external Redis, all flags).
 EVERYTHING: dict[str, Any] = {
-    "model": {"id": "tiny", "quantization": "int8", "kvCacheDtype": "int8", "dtype": "bfloat16"},
+    "model": {"id": "tiny", "quantization": "int8", "quantizeVocab": True, "kvCacheDtype": "int8", "dtype": "bfloat16"},
     "clusterSecret": {"value": "not-a-real-secret"},
     "router": {"policy": "least_loaded", "allowAdmin": False, "apiKeys": {"keys": ["team-a:key-a", "team-b:key-b"]},
                "tls": {"existingSecret": "strata-tls"}, "extraArgs": ["--max-inflight=64"],
@@ -338,7 +338,7 @@ def strata_containers(docs: list[dict]) -> Iterator[tuple[dict, dict, dict]]:
 def test_container_commands_parse_with_the_real_entry_points(chart: helm.Chart, variant: str, tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     docs = render(chart, VARIANTS[variant]())
-    seen = set()
+    seen, namespaces = set(), set()
     for workload, pod, container in strata_containers(docs):
         entry = container["command"][2]
         pod_name = f"{workload['metadata']['name']}-0"
@@ -350,7 +350,9 @@ def test_container_commands_parse_with_the_real_entry_points(chart: helm.Chart, 
         parsed = parse(entry, argv)
         check_wiring(entry, parsed, container, env, docs, pod_name)
         seen.add(entry)
+        namespaces.add((parsed.quantization, parsed.quant_group_size, parsed.quantize_vocab, parsed.kv_cache_dtype))
     assert seen == set(ENTRY_POINTS)
+    assert len(namespaces) == 1, namespaces       # the router and every worker name the same block namespace
 
 
 def named_ports(container: dict) -> dict[str, int]:
