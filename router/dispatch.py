@@ -17,7 +17,7 @@ import grpc
 from router.admission import AdmissionConfig, check_fleet, with_room
 from router.cost_model import CostModelConfig
 from router.events_feed import SharedIndex
-from router.policy import NoWorkerError, Policy, RouteDecision, RouteRequest
+from router.policy import NoWorkerError, Policy, RouteDecision, RouteRequest, local_only
 from router.registry import WorkerRegistry
 from router.request_run import RequestRun, StepFailed
 from router.served_model import ServedModel
@@ -214,12 +214,10 @@ class Dispatcher:
         try:
             decision = self.policy(request, self.index.match(run.hashes), view, self.cost[run.model.id])
         except NoWorkerError:
-            decoders = view.decode_workers()
-            if not decoders:
+            if not view.decode_workers():
                 raise ApiError(grpc.StatusCode.UNAVAILABLE, f"no ready decode worker for model {run.model.id!r} "
                                f"(tried: {sorted(excluded) or 'none'}); retry with backoff") from None
-            d = min(decoders, key=lambda w: (w.backlog_s, w.queue_len, w.worker_id))
-            decision = RouteDecision(d.worker_id, d.worker_id, False, 0.0, 0, "no prefill worker: local")
+            decision = local_only(self.policy)(request, self.index.match(run.hashes), view, self.cost[run.model.id])
         log.debug("route %s: %s", run.request_id, decision)
         return decision
 

@@ -44,6 +44,7 @@ unless that one's own lead or queue forbids it too.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random as _random
@@ -288,6 +289,20 @@ POLICIES: dict[str, Policy] = {
     "least_loaded": least_loaded,
     "random": make_random(0),
 }
+
+
+def local_only(policy: Policy) -> Policy:
+    """`policy` for a view without prefill-capable workers (a colocated fleet, or its prefill pool is out): every
+    decode worker prefills its own requests, so each is offered as `both` and the request runs, undisaggregated,
+    where `policy` would prefill it (its cache, load and turn count as they do for prefill workers)."""
+    def route(request: RouteRequest, match: MatchResult, load: LoadView, config: CostModelConfig) -> RouteDecision:
+        decoders = load.decode_workers()
+        if not decoders:
+            raise NoWorkerError("no decode-capable worker in the load view")
+        decision = policy(request, match, LoadView.of(dataclasses.replace(w, role="both") for w in decoders), config)
+        return dataclasses.replace(decision, decode_worker=decision.prefill_worker, disaggregated=False,
+                                   reason=f"no prefill worker, local: {decision.reason}")
+    return route
 
 
 def get_policy(name: str, seed: int | None = None) -> Policy:

@@ -27,6 +27,7 @@ from router.policy import (
     get_policy,
     kv_aware,
     least_loaded,
+    local_only,
     round_robin,
 )
 
@@ -458,3 +459,22 @@ def test_load_view_rejects_duplicate_worker_ids_and_bad_roles():
         LoadView.of([WorkerLoad(WorkerId("a")), WorkerLoad(WorkerId("a"))])
     with pytest.raises(ValueError, match="role"):
         WorkerLoad(WorkerId("a"), "router")  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------- a fleet without prefill workers
+
+@pytest.mark.parametrize("name", ["kv_aware", "round_robin", "least_loaded"])
+def test_without_prefill_workers_the_policy_still_chooses_among_the_decoders(name):
+    """Colocated (`strata serve --prefill 0`) or the prefill pool out: the policy picks the decode worker that
+    prefills the request itself, by the prefix it holds (kv_aware), its turn (round_robin) or its load."""
+    policy = local_only(get_policy(name))
+    loads = make_load(3, role="decode", backlog_s={"w0": 0.01, "w2": 0.2})
+    index = make_index(w0=[0, 1, 2, 3, 4, 5], w2=[0])
+    chosen = [policy(make_request(8, seq=s), index.match(chain(range(8))), LoadView.of(loads), CFG) for s in range(3)]
+    assert all(d.prefill_worker == d.decode_worker and not d.disaggregated for d in chosen)
+    expected = {"kv_aware": ["w0"] * 3, "round_robin": ["w0", "w1", "w2"], "least_loaded": ["w1"] * 3}[name]
+    assert [d.decode_worker for d in chosen] == expected
+    if name == "kv_aware":
+        assert chosen[0].cached_tokens == 6 * BS and chosen[0].reason.startswith("no prefill worker, local")
+    with pytest.raises(NoWorkerError):
+        policy(make_request(8), index.match(chain(range(8))), LoadView.of(make_load(2, role="prefill")), CFG)
