@@ -17,7 +17,7 @@ def _pyplot():
     try:
         import matplotlib
     except ImportError:
-        print("no plots: matplotlib is not installed (pip install matplotlib)")
+        print("no plots: matplotlib is not installed (pip install -e '.[plot]')")
         return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -220,7 +220,7 @@ def plot(overload: list[Outcome], path: str) -> None:
     try:
         import matplotlib
     except ImportError:
-        print(f"no plot: matplotlib is not installed (pip install matplotlib), {path} not written")
+        print(f"no plot: matplotlib is not installed (pip install -e '.[plot]'), {path} not written")
         return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -191,7 +191,7 @@ def plot(summary: dict[str, dict], path: str) -> None:
     try:
         import matplotlib
     except ImportError:
-        print(f"no plot: matplotlib is not installed (pip install matplotlib), {path} not written")
+        print(f"no plot: matplotlib is not installed (pip install -e '.[plot]'), {path} not written")
         return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
