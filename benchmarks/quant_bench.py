@@ -9,8 +9,9 @@ int8 KV with bf16 weights (`kv_cache_dtype=...`). Every figure is measured here,
    uint8/int32 buffer, its scales and zeros are buffers too), each storage counted once; ratio to bf16's. A scheme
    keeps the embedding and lm_head in bf16 (engine/quant/apply.py), so the tables also give `layers`, the ratio
    without them; its "+vocab" variant (`quantize_vocab=True`, `--quantize-vocab`) quantizes them too, and the byte,
-   perplexity and speed targets are judged on those (one configuration meeting all three). (The bundled model ties lm_head to the embedding; the transposed copy of it that CPU
-   logits use is a plain attribute, not a parameter or buffer, and is not counted.) KV bytes per token: the
+   perplexity and speed targets are judged on those (one configuration meeting all three). (The bundled model ties
+   lm_head to the embedding; the transposed copy of it that CPU logits use is a plain attribute, not a parameter or
+   buffer, and is not counted.) KV bytes per token: the
    engine's cache, `block_bytes` (values and scales of one block, every layer) / `block_size`.
 2. Perplexity of the bundled model (`models/strata-moe-tiny`) on its recipe's held-out split: the files of
    models/recipe/heldout_files.txt, read from this interpreter's standard library, encoded with the bundled

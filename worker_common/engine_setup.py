@@ -107,9 +107,9 @@ def build_engine_from(model: str, dtype: str = "float32", block_size: int = 16, 
     """`engine_text=True` lets the engine detokenize (the single-engine reference); workers leave it False.
     `on_block_stored` / `on_block_removed` are the block manager's device-tier hooks (the worker's KV events).
     `kv_cache_dtype`: auto (the model dtype), fp8 or int8 (`CacheConfig`); `quantization`, `quant_group_size`,
-    `quantize_vocab`: the weights' (`ModelConfig`); `speculative`: speculative decoding (None or a config without a method: off;
-    `draft_model` must be a resolved folder: `strata.speculative_options.speculative_config`); `moe`, `ep_group`:
-    how sparse layers run their experts (expert_parallel needs the group)."""
+    `quantize_vocab`: the weights' (`ModelConfig`); `speculative`: speculative decoding (None or a config without a
+    method: off; `draft_model` must be a resolved folder: `strata.speculative_options.speculative_config`); `moe`,
+    `ep_group`: how sparse layers run their experts (expert_parallel needs the group)."""
     cache_config = CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=True,
                                kv_cache_dtype=kv_cache_dtype)
     scheduler_config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
