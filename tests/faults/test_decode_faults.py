@@ -42,8 +42,8 @@ def make_request(i: int) -> dict:
     computed it in decode steps, and a decode row runs eager or compiled depending on its step, so logits differ in
     the last bits (~5e-6 between the eager and the compiled step). A draw over thousands of candidates sits that
     close to a boundary about once in a few thousand draws: with top-p 0.95 request 23 flipped at output position 6
-    (and in CI), with the whole vocabulary 2 of 64 requests flipped when the same 64 requests ran eager and
-    compiled; with top-k 50, 0 of 64. See the README, "Request migration"."""
+    (and in CI), with the whole vocabulary 1-2 of 64 requests flipped when the same 64 requests ran eager and
+    compiled; with top-k 50, 0 of 64 (benchmarks/rounding_flips.py). See the README, "Request migration"."""
     prompt = f"shared preamble of the fault test {i % 2} " * 3 + f"request {i} asks for w{i % 13} w{i % 5}"
     return dict(prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.9, top_k=50, seed=1000 + i, ignore_eos=True,
                 presence_penalty=0.3)
