@@ -46,13 +46,9 @@ from engine.moe.router import route_topk  # noqa: E402
 from engine.moe.triton_moe import fused_moe_triton  # noqa: E402
 from engine.quant.triton_gemm import (  # noqa: E402
     int4_dequantize, int4_matmul, mxfp4_matmul, mxfp4_matmul_ref, pack_int4)
+from engine_throughput import copy_bandwidth, synchronize  # noqa: E402
 
 Fn = Callable[[], torch.Tensor]
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def time_calls(fn: Fn, reps: int, device: torch.device) -> float:
@@ -86,14 +82,6 @@ def race(sides: dict[str, Fn], rounds: int, reps: int, device: torch.device) -> 
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return (out.float() - ref.float()).abs().max().item() / max(ref.float().abs().max().item(), 1e-6)
-
-
-def copy_bandwidth(device: torch.device, num_bytes: int) -> float:
-    """Bytes per second read + written by one large copy (median of 5)."""
-    src = torch.ones(num_bytes // 4, device=device)
-    dst = torch.empty_like(src)
-    seconds = race({"copy": lambda: dst.copy_(src)}, 5, 3, device)["copy"]
-    return 2 * num_bytes / seconds
 
 
 # ------------------------------------------------------------------------------------------------ the cases
