@@ -246,13 +246,17 @@ class CompiledDecode:
 
     graph_name = "decode_step"
 
-    def __init__(self, model: torch.nn.Module, cache: KVCache, max_batch: int, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, cache: KVCache, max_batch: int, device: torch.device,
+                 max_blocks: int | None = None) -> None:
+        """`max_blocks`: the most blocks one sequence's table spans (max_model_len / block_size); None: the cache's
+        block count. On CUDA `warmup` records a graph for every table width up to it."""
         _use_disk_cache()
         import torch.fx.experimental._config as fx_config
         fx_config.use_duck_shape = False          # a batch equal to some other size must not tie their symbols
         self.model, self.cache, self.device = model, cache, device
         self.buckets = batch_buckets(max_batch)
         self.block_size = cache.block_size
+        self.max_blocks = min(max_blocks or cache.num_blocks, cache.num_blocks)
         self.quantized = cache.quantized
         if self.quantized:      # the cache's bytes, spans back to back
             self.flat, self.attention = cache.tensor.view(-1), QuantizedGraphAttention(cache)
@@ -343,20 +347,36 @@ class CompiledDecode:
             for t in (ids, cos, sin, rows, tables, pos):
                 torch._dynamo.mark_dynamic(t, 0)
 
+    def warmup_widths(self) -> list[int]:
+        """The block-table widths `warmup` runs every bucket at. On CUDA, every power of two a step can use, up to
+        the widest table: CUDA graphs are recorded per (bucket, width), and a recording in the middle of serving
+        costs that step far more than the step itself. Elsewhere the width is a dynamic dimension of one graph, and
+        2 stands for all of them."""
+        if self.device.type != "cuda":
+            return [2]
+        return [1 << i for i in range(1, self.table_width(self.max_blocks).bit_length())]
+
+    def warmup_position(self, width: int) -> int:
+        """A position whose step uses table width `width` (2 at the least: never 1, which the compiler would
+        specialise): the second slot of block width // 2, so every width's table rounds up to exactly `width`."""
+        return (width // 2) * self.block_size + 1
+
     def warmup(self, execute: Callable[[StepBatch], torch.Tensor],
                log: Callable[[str], None] | None = None) -> None:
-        """Compile and run every bucket once through `execute` (the runner's step) on a scratch decode in block 0,
-        whose contents are restored after: call before serving."""
+        """Compile and run every bucket once (on CUDA once per table width, `warmup_widths`) through `execute`
+        (the runner's step) on a scratch decode in block 0, whose contents are restored after: call before
+        serving."""
         log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         saved = self.cache.tensor[0].clone()
-        start = time.perf_counter()
+        start, widths = time.perf_counter(), self.warmup_widths()
         for i, size in enumerate(self.buckets):
             t0, before = time.perf_counter(), self.compilations
-            # position block_size + 1 over a 2-block table: W = 2, never 1 (which the compiler would specialise)
-            execute(StepBatch([ScheduledSeq(f"warmup-{j}", [0], self.block_size + 1, [0, 0]) for j in range(size)]))
+            for width in widths:
+                position = self.warmup_position(width)
+                execute(StepBatch([ScheduledSeq(f"warmup-{j}", [0], position, [0] * width) for j in range(size)]))
             done = "compiled" if self.compilations > before else "ready"
             log(f"compiling the decode step: bucket {i + 1}/{len(self.buckets)} (batch {size}) {done} in "
-                f"{time.perf_counter() - t0:.1f} s")
+                f"{time.perf_counter() - t0:.1f} s" + (f" ({len(widths)} table widths)" if len(widths) > 1 else ""))
         self.cache.tensor[0].copy_(saved)
         log(f"decode step compiled for batch sizes {self.buckets} in {time.perf_counter() - start:.1f} s "
             f"({self.compilations} graphs; Inductor cache {os.environ.get('TORCHINDUCTOR_CACHE_DIR')})")

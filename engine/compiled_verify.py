@@ -67,11 +67,11 @@ class CompiledVerify(CompiledDecode):
     graph_name = "verify_step"
 
     def __init__(self, model: torch.nn.Module, cache: KVCache, max_batch: int, device: torch.device,
-                 tokens_per_seq: int) -> None:
+                 tokens_per_seq: int, max_blocks: int | None = None) -> None:
         if cache.quantized:
             raise ValueError("the compiled verify step needs an unquantized KV cache")
         self.n = tokens_per_seq
-        super().__init__(model, cache, max_batch, device)
+        super().__init__(model, cache, max_batch, device, max_blocks)
         self.attention = VerifyGraphAttention(cache, tokens_per_seq)
 
     def _forward(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor,
@@ -135,15 +135,17 @@ class CompiledVerify(CompiledDecode):
 
     def warmup(self, execute: Callable[[StepBatch], torch.Tensor],
                log: Callable[[str], None] | None = None) -> None:
-        """Compile and run every bucket once with n tokens per sequence on scratch slots of block 0 (restored)."""
+        """Compile and run every bucket once (on CUDA once per table width) with n tokens per sequence on scratch
+        slots of block 0 (restored)."""
         log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         saved = self.cache.tensor[0].clone()
         start, before = time.perf_counter(), self.compilations
-        width = max(2, (self.block_size + self.n) // self.block_size + 1)
-        for size in self.buckets:
-            seqs = [ScheduledSeq(f"warmup-{j}", [0] * self.n, self.block_size + 1, [0] * width, self.n)
-                    for j in range(size)]
-            execute(StepBatch(seqs))
+        for width in self.warmup_widths():
+            position = self.warmup_position(width)
+            table = [0] * max(width, self.table_width((position + self.n - 1) // self.block_size + 1))
+            for size in self.buckets:
+                execute(StepBatch([ScheduledSeq(f"warmup-{j}", [0] * self.n, position, table, self.n)
+                                   for j in range(size)]))
         self.cache.tensor[0].copy_(saved)
         log(f"verify step ({self.n} tokens per sequence) compiled for batch sizes {self.buckets} in "
             f"{time.perf_counter() - start:.1f} s ({self.compilations - before} graphs)")

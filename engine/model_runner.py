@@ -58,8 +58,10 @@ def expert_parallel_step(model: torch.nn.Module, setup: MoESetup, dtype: torch.d
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, attention: str = "torch",
                  moe_backend: MoESetup | str = "local", max_num_seqs: int = 64,
-                 log: Callable[[str], None] | None = None, speculative_tokens: int = 0) -> None:
+                 log: Callable[[str], None] | None = None, speculative_tokens: int = 0,
+                 max_model_len: int | None = None) -> None:
         """`max_num_seqs` sizes the compiled decode step's largest bucket; `log` gets its progress lines;
+        `max_model_len` bounds the block tables its CUDA graphs are recorded for (None: the cache's size);
         `speculative_tokens` > 0 also compiles the verify step (the last token + that many drafts per sequence).
         `moe_backend`: a backend name or a `MoESetup` (expert parallel: its group; then every step is a collective,
         `ep_begin`/`ep_end`)."""
@@ -84,14 +86,16 @@ class ModelRunner:
         if not (eager_forced() if eager is None else eager):
             # NOTE: ranks compile at their own pace, so warm-up forwards do not exchange tokens (EPGroup.offline)
             with self.ep.group.offline() if self.ep is not None else contextlib.nullcontext():
-                self._compile(max_num_seqs, speculative_tokens, log)
+                max_blocks = None if max_model_len is None else -(-max_model_len // self.block_size)
+                self._compile(max_num_seqs, speculative_tokens, log, max_blocks)
 
-    def _compile(self, max_num_seqs: int, speculative_tokens: int, log: Callable[[str], None] | None) -> None:
-        self.compiled = CompiledDecode(self.model, self.cache, max_num_seqs, self.device)
+    def _compile(self, max_num_seqs: int, speculative_tokens: int, log: Callable[[str], None] | None,
+                 max_blocks: int | None) -> None:
+        self.compiled = CompiledDecode(self.model, self.cache, max_num_seqs, self.device, max_blocks)
         self.compiled.warmup(self.execute, log)
         if speculative_tokens and not self.cache.quantized:
             self.compiled_verify = CompiledVerify(self.model, self.cache, max_num_seqs, self.device,
-                                                  speculative_tokens + 1)
+                                                  speculative_tokens + 1, max_blocks)
             self.compiled_verify.warmup(self.execute, log)
 
     @property

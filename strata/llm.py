@@ -72,7 +72,8 @@ def build_engine(args: EngineArgs) -> LLMEngine:
     model_config, cache_config, scheduler_config = args.configs()
     spec_config = args.speculative_config()
     runner = ModelRunner(model_config, cache_config, attention=args.attention, max_num_seqs=args.max_num_seqs,
-                         speculative_tokens=spec_config.num_speculative_tokens if spec_config.enabled else 0)
+                         speculative_tokens=spec_config.num_speculative_tokens if spec_config.enabled else 0,
+                         max_model_len=scheduler_config.max_model_len)
     namespace = kv_namespace(runner, cache_config, kv_storage_dtype(cache_config.kv_cache_dtype, model_config.dtype))
     speculation = build_speculation(spec_config, runner, model_config, cache_config, scheduler_config)
     return LLMEngine(runner, runner.tokenizer, cache_config, scheduler_config, hash_block,

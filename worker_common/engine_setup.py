@@ -119,7 +119,7 @@ def build_engine_from(model: str, dtype: str = "float32", block_size: int = 16, 
     spec_tokens = speculative.num_speculative_tokens if speculative is not None and speculative.enabled else 0
     setup = MoESetup(moe or MoEConfig(), ep_group)
     runner = ModelRunner(model_config, cache_config, moe_backend=setup, max_num_seqs=max_num_seqs,
-                         speculative_tokens=spec_tokens)
+                         speculative_tokens=spec_tokens, max_model_len=max_model_len)
     spec = runner.spec
     layout = codec.BlockLayout(spec.num_layers, block_size, spec.num_kv_heads, spec.head_dim)
     kv_dtype = runner.kv_dtype      # the storage dtype: `kv_storage_dtype(kv_cache_dtype, dtype)`

@@ -23,12 +23,14 @@ class DraftModelDrafter(Drafter):
     name = "draft"
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, target_vocab_size: int,
-                 max_num_seqs: int = 64, seed: int = 0, num_speculative_tokens: int = 4) -> None:
+                 max_num_seqs: int = 64, seed: int = 0, num_speculative_tokens: int = 4,
+                 max_model_len: int | None = None) -> None:
         # NOTE: compiled (unless eager), the draft's one-token steps run its decode graph and its catch-ups (up
         # to k + 1 tokens: the accepted drafts and the correction) its verify graph
         self.runner = ModelRunner(model_config, CacheConfig(cache_config.block_size, cache_config.num_blocks,
                                                             enable_prefix_caching=False),
-                                  max_num_seqs=max_num_seqs, speculative_tokens=num_speculative_tokens)
+                                  max_num_seqs=max_num_seqs, speculative_tokens=num_speculative_tokens,
+                                  max_model_len=max_model_len)
         if self.runner.vocab_size != target_vocab_size:
             raise ValueError(f"draft model {model_config.path!r} has vocab_size={self.runner.vocab_size}, the "
                              f"target {target_vocab_size}: a draft model must share the target's tokenizer")

@@ -22,7 +22,7 @@ def build_speculation(config: SpeculativeConfig, runner, model_config: ModelConf
                                    model_config.enforce_eager)
         drafters["draft"] = DraftModelDrafter(draft_config, cache_config, runner.vocab_size,
                                               scheduler_config.max_num_seqs, model_config.seed,
-                                              config.num_speculative_tokens)
+                                              config.num_speculative_tokens, scheduler_config.max_model_len)
     elif config.method == "eagle":
         from engine.spec.eagle import EagleDrafter
         drafters["eagle"] = EagleDrafter(config.draft_model, runner.model, model_config.dtype, model_config.device,

@@ -41,3 +41,17 @@ def test_cuda_compiled_decode_with_cuda_graphs_matches_eager(tiny_checkpoint, ar
     # the graphs were captured: Inductor skips a graph that writes into an input not marked static (the cache)
     assert counters["inductor"]["cudagraph_skips"] == skipped
     assert counters["inductor"]["cudagraph_recorded_non_static_inputs"] > recorded
+
+
+@pytest.mark.parametrize("speculative", [None, "ngram"])
+def test_cuda_serving_records_no_cuda_graph_after_warmup(tiny_checkpoint, speculative):
+    """Warm-up records the CUDA graphs of every (bucket, table width), for the verify step too; requests whose
+    contexts cross several widths then record none (a recording costs a step many times the step itself)."""
+    ckpt = tiny_checkpoint("llama")
+    llm = LLM(str(ckpt.path), num_blocks=64, block_size=4, device="cuda", max_num_seqs=4, max_model_len=64,
+              enforce_eager=False, speculative=speculative, speculative_adaptive=False)
+    recorded = counters["inductor"]["cudagraph_recorded_non_static_inputs"]
+    prompts = [[5, 9, 12], [3, 4] * 10, [7, 8, 9, 10, 11]]     # 3 to 20 tokens, then 40 more: 1 to 15 blocks
+    out = llm.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True))
+    assert [len(o.token_ids) for o in out] == [40, 40, 40]
+    assert counters["inductor"]["cudagraph_recorded_non_static_inputs"] == recorded

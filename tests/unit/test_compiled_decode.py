@@ -149,6 +149,27 @@ def test_batch_buckets():
     assert batch_buckets(48) == [1, 2, 4, 8, 16, 32, 48]
 
 
+def test_the_cuda_warmup_records_every_table_width_a_step_can_use(checkpoint):
+    """On CUDA a CUDA graph is recorded per (bucket, table width); warm-up must leave none for serving to record.
+    The width logic runs here with the graph's device set to CUDA (only the width rules read it)."""
+    runner = ModelRunner(ModelConfig(str(checkpoint("llama").path), enforce_eager=False),
+                         CacheConfig(block_size=BLOCK, num_blocks=160), max_num_seqs=1, log=lambda line: None,
+                         max_model_len=61)
+    graph = runner.compiled
+    assert graph.max_blocks == 16 and graph.warmup_widths() == [2]    # CPU: one dynamic width
+    graph.device = torch.device("cuda")
+    try:
+        widths = graph.warmup_widths()
+        assert widths == [2, 4, 8, 16]
+        # each warm-up step uses exactly its width, and every width a sequence of 1..16 blocks can use is among them
+        assert [graph.table_width(graph.warmup_position(w) // BLOCK + 1) for w in widths] == widths
+        assert {graph.table_width(blocks) for blocks in range(1, graph.max_blocks + 1)} == set(widths)
+        graph.max_blocks = 17                                          # not a power of two: rounds up to 32
+        assert graph.warmup_widths()[-1] == 32 == graph.table_width(17)
+    finally:
+        graph.device = torch.device("cpu")
+
+
 def test_engine_generates_the_same_tokens_compiled_and_eager(checkpoint):
     """The whole engine (scheduler, sampler, compiled step for pure decodes, eager prefill and mixed steps): greedy
     and seeded sampling give the same tokens as the eager engine, requests joining and leaving mid-way."""
