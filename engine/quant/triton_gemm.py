@@ -6,7 +6,7 @@ Layouts (weights are `[N, K]` as `nn.Linear.weight`, packed along K, two codes p
     int4    w[n, k] = (q[n, k] - zero[n, k // g]) * scale[n, k // g]     q in 0..15, scale/zero float32 [N, K // g]
     mxfp4   w[n, k] = e2m1(code[n, k]) * 2 ** (e8m0[n, k // 32] - 127)  code bit 3 the sign, bits 0-2 the magnitude
 
-One kernel serves all four forms: it dequantizes a `[BLOCK_K, BLOCK_N]` tile of `w.T` in registers (w is never
+The tiled GEMM serves all four forms: it dequantizes a `[BLOCK_K, BLOCK_N]` tile of `w.T` in registers (w is never
 materialised) and accumulates `x @ w.T` in float32. The grouped forms take rows of x sorted by expert, rows
 `[ends[e-1], ends[e])` times expert e (torch._grouped_mm's `offs`); each expert's rows are cut into BLOCK_M tiles
 of their own, mapped with torch ops (no host sync), so a tile never mixes experts:
@@ -17,6 +17,9 @@ of their own, mapped with torch ops (no host sync), so a tile never mixes expert
 On CUDA the public functions run the kernels; on CPU they run the torch references below unless the Triton
 interpreter is on (`TRITON_INTERPRET=1`, how the tests run them). As in engine/moe/triton_moe.py the kernel is
 jitted on first use and `UPCAST` exists because the interpreter's bf16 `tl.dot` returns garbage.
+A plain matmul of at most GEMV_MAX_ROWS rows (decode at small batch) takes a GEMV kernel instead: it reads each
+weight row along K once (no tile of w.T read across rows, no tl.dot over 15 padded rows) and splits K across
+programs so that one row still fills the GPU; the splits' partial sums are added in a fixed order.
 Where BLOCK_K divides the group size (int4 groups of 32/64/128, MXFP4's 32) a tile loads one scale (and zero) per
 column, not one per weight. On CUDA, BLOCK_N, BLOCK_K, warps and stages are autotuned per (rows bucket, N, K) from
 `CUDA_TILES` (BLOCK_M stays the caller's: the grouped forms cut tiles on the host with it). Measured on an H200
@@ -47,6 +50,17 @@ class TileConfig(NamedTuple):
 
 
 DEFAULT_TILES = TileConfig(16, 64, 64)
+
+
+class GemvConfig(NamedTuple):
+    block_n: int
+    block_k: int
+    split_k: int
+
+
+GEMV_MAX_ROWS = 4           # x with at most this many rows (decode at small batch) takes the GEMV kernel
+GEMV_MAX_SPLIT = 16         # its K splits: the partial sums' slots, one per split
+DEFAULT_GEMV = GemvConfig(32, 128, 4)
 
 
 class ExpertTiles(NamedTuple):
@@ -122,6 +136,35 @@ def mxfp4_grouped_matmul_ref(x: torch.Tensor, blocks: torch.Tensor, scales: torc
 
 # ------------------------------------------------------------------------------------------------------ kernel
 
+def _e2m1_py(code):
+    """float32 value of 4-bit e2m1 codes (int32): bit 3 the sign; magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 are
+    half * 0.5 when exp == 0, else (2 + half) * 2 ** (exp - 2)."""
+    exp, half = (code & 7) >> 1, code & 1
+    mag = tl.where(exp == 0, half, (2 + half) * ((1 << exp) >> 1)).to(tl.float32) * 0.5
+    return tl.where(code >= 8, -mag, mag)
+
+
+def _e8m0_py(e8m0):
+    """2 ** (e8m0 - 127) as float32 from int32 bytes.
+    NOTE: byte 0 (2 ** -127) decodes to 0 here, byte 255 (NaN) to inf: both absent in real checkpoints; building
+    the float from bits keeps every other scale exact."""
+    return (e8m0 << 23).to(tl.float32, bitcast=True)
+
+
+_e2m1, _e8m0 = _e2m1_py, _e8m0_py     # what the kernels call: set per mode by `_helpers`
+
+
+@functools.lru_cache(maxsize=2)
+def _jitted_helpers(interpret: bool) -> tuple:
+    return triton.jit(_e2m1_py), triton.jit(_e8m0_py)
+
+
+def _helpers(interpret: bool) -> None:
+    """Point the kernels' helper names at functions jitted in the current mode (like the kernels, jitted on first
+    use: under the interpreter a function jitted for the compiler cannot be called, and the reverse)."""
+    global _e2m1, _e8m0
+    _e2m1, _e8m0 = _jitted_helpers(interpret)
+
 def _quant_matmul_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, ends_ptr,
                          rows, rows_bucket, n, k, num_experts,
                          stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_om,
@@ -161,13 +204,7 @@ def _quant_matmul_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, tile_expert
             s_mask = w_mask
         if MXFP4:
             e8m0 = tl.load(scale_ptr + s_base + group, mask=s_mask, other=127).to(tl.int32)
-            # NOTE: e8m0 byte 0 (2 ** -127) decodes to 0 here, byte 255 (NaN) to inf: both absent in real
-            # checkpoints; building the float from bits keeps every other scale exact.
-            scale = (e8m0 << 23).to(tl.float32, bitcast=True)                           # [BK, BN]
-            exp, half = (code & 7) >> 1, code & 1
-            # magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6: half * 0.5 when exp == 0, else (2 + half) * 2 ** (exp - 2)
-            mag = tl.where(exp == 0, half, (2 + half) * ((1 << exp) >> 1)).to(tl.float32) * 0.5
-            w = tl.where(code >= 8, -mag, mag) * scale                                  # [BK, BN]
+            w = _e2m1(code) * _e8m0(e8m0)                                               # [BK, BN]
         else:
             scale = tl.load(scale_ptr + s_base + group, mask=s_mask, other=0.0)
             zero = tl.load(zero_ptr + s_base + group, mask=s_mask, other=0.0)
@@ -179,6 +216,53 @@ def _quant_matmul_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, tile_expert
         acc = tl.dot(a, w, acc, input_precision="ieee")
     tl.store(out_ptr + m[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=(m[:, None] < row_end) & (cols[None, :] < n))
+
+
+def _quant_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, part_ptr, rows, n, k, stride_xm, stride_wn, stride_sn,
+                       GROUP_SIZE: tl.constexpr, MXFP4: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """part[split, row, BLOCK_N columns] = x[row, the split's K range] @ dequant(w[those columns, same range]).T in
+    float32: one program per (column block, split, row), the caller sums the splits (in a fixed order: the result
+    does not depend on scheduling). Split s of SPLIT_K covers K in whole BLOCK_K tiles; a program whose split is
+    past SPLIT_K (the grid is always GEMV_MAX_SPLIT wide, so every slot is written) stores zeros.
+
+    Unlike the GEMM's `[BK, BN]` tile of w.T, this reads w row by row, `[BN, BK / 2]` bytes along K (contiguous,
+    each byte once), splits each byte into its even (low nibble) and odd (high nibble) column, and reduces along K
+    with the matching even and odd entries of x: no tl.dot, no padded rows."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)                            # [BN]
+    split, row = tl.program_id(1), tl.program_id(2).to(tl.int64)
+    half = tl.arange(0, BLOCK_K // 2)                                                   # [BK/2] bytes of a tile
+    per_split = ((k + BLOCK_K - 1) // BLOCK_K + SPLIT_K - 1) // SPLIT_K * BLOCK_K       # whole tiles per split
+    k_lo = split * per_split
+    k_hi = tl.minimum(k_lo + per_split, k)
+    w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wn                             # [BN, 1]
+    s_rows = cols[:, None].to(tl.int64) * stride_sn                                     # [BN, 1]
+    acc = tl.full((BLOCK_N,), 0.0, tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        kb = k0 // 2 + half                                                             # [BK/2] byte columns
+        k_ok = 2 * kb < k
+        mask = (cols[:, None] < n) & k_ok[None, :]                                      # [BN, BK/2]
+        byte = tl.load(w_rows + kb[None, :], mask=mask, other=0).to(tl.int32)           # [BN, BK/2]
+        x_even = tl.load(x_ptr + row * stride_xm + 2 * kb, mask=k_ok, other=0.0).to(tl.float32)      # [BK/2]
+        x_odd = tl.load(x_ptr + row * stride_xm + 2 * kb + 1, mask=k_ok, other=0.0).to(tl.float32)
+        if GROUP_SIZE % BLOCK_K == 0:       # the tile lies in one group: one scale (and zero) per column
+            group = k0 // GROUP_SIZE
+            s_mask = cols[:, None] < n                                                  # [BN, 1]
+        else:                               # columns 2j and 2j + 1 share a group (group sizes are even)
+            group = (2 * kb[None, :]) // GROUP_SIZE                                     # [1, BK/2]
+            s_mask = mask
+        if MXFP4:
+            scale = _e8m0(tl.load(scale_ptr + s_rows + group, mask=s_mask, other=127).to(tl.int32))
+            w_even, w_odd = _e2m1(byte & 0xF) * scale, _e2m1(byte >> 4) * scale         # [BN, BK/2]
+        else:
+            scale = tl.load(scale_ptr + s_rows + group, mask=s_mask, other=0.0)
+            zero = tl.load(zero_ptr + s_rows + group, mask=s_mask, other=0.0)
+            w_even = ((byte & 0xF).to(tl.float32) - zero) * scale                       # [BN, BK/2]
+            w_odd = ((byte >> 4).to(tl.float32) - zero) * scale
+        # NOTE: tl.reduce with triton's combine function is tl.sum (see engine/attention/triton_kv_quant.py: the
+        # interpreter cannot call tl.sum when TRITON_INTERPRET is set after triton's import)
+        acc += tl.reduce(w_even * x_even[None, :] + w_odd * x_odd[None, :], 1, tl.standard._sum_combine)
+    tl.store(part_ptr + (split * rows + row) * n + cols, acc, mask=cols < n)
 
 
 # (BLOCK_N, BLOCK_K, warps, stages) tried on CUDA; BLOCK_K 32 keeps MXFP4 and int4-g32 on per-column scales.
@@ -200,6 +284,46 @@ def _kernels(interpret: bool) -> tuple:
     return kernel, tuned
 
 
+# (BLOCK_N, BLOCK_K, SPLIT_K, warps) of the GEMV tried on CUDA: few columns per program and K split so that one
+# row's matrix-vector product still fills every SM
+GEMV_CUDA_TILES = tuple((bn, bk, split, warps) for bn, bk in ((16, 128), (32, 128), (64, 128), (32, 256), (16, 256))
+                        for split in (1, 2, 4, 8, 16) for warps in (2, 4))
+
+
+@functools.lru_cache(maxsize=2)
+def _gemv_kernels(interpret: bool) -> tuple:
+    """(the GEMV kernel with the caller's sizes, the same autotuned over `GEMV_CUDA_TILES`, or None)."""
+    kernel = triton.jit(_quant_gemv_kernel)
+    if interpret:
+        return kernel, None
+    configs = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split}, num_warps=warps)
+               for bn, bk, split, warps in GEMV_CUDA_TILES]
+    return kernel, triton.autotune(configs, key=["rows", "n", "k", "GROUP_SIZE", "MXFP4"])(
+        triton.jit(_quant_gemv_kernel))
+
+
+def _launch_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group_size: int,
+                 mxfp4: bool, config: GemvConfig | None) -> torch.Tensor:
+    """x `[M <= GEMV_MAX_ROWS, K]`, w `[N, K // 2]`, scale (and zero) `[N, K // g]`: `[M, N]` in x's dtype."""
+    (rows, k), n = x.shape, w.shape[0]
+    x, w, scale = x.contiguous(), w.contiguous(), scale.contiguous()
+    zero = scale if zero is None else zero.contiguous()                            # mxfp4: never read
+    parts = torch.empty(GEMV_MAX_SPLIT, rows, n, dtype=torch.float32, device=x.device)   # every slot written
+    args = (x, w, scale, zero, parts, rows, n, k, x.stride(0), w.stride(0), scale.stride(0))
+    flags = dict(GROUP_SIZE=group_size, MXFP4=mxfp4)
+    interpret = _interpreting()
+    _helpers(interpret)
+    plain, tuned = _gemv_kernels(interpret)
+    if tuned is None or config is not None:
+        bn, bk, split = config or DEFAULT_GEMV
+        if not 1 <= split <= GEMV_MAX_SPLIT:
+            raise ValueError(f"GemvConfig.split_k must be in 1..{GEMV_MAX_SPLIT}, got {split}")
+        plain[(triton.cdiv(n, bn), GEMV_MAX_SPLIT, rows)](*args, **flags, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split)
+    else:
+        tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), GEMV_MAX_SPLIT, rows)](*args, **flags)
+    return parts.sum(0).to(x.dtype)
+
+
 def expert_tiles(expert_ends: torch.Tensor, rows: int, block_m: int) -> ExpertTiles:
     """Cut each expert's rows into BLOCK_M tiles (see the picture); static shapes, no host sync.
     NOTE: an expert with c rows needs ceil(c / BLOCK_M) <= c / BLOCK_M + 1 tiles, so cdiv(rows, BLOCK_M) + E
@@ -216,8 +340,12 @@ def expert_tiles(expert_ends: torch.Tensor, rows: int, block_m: int) -> ExpertTi
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group_size: int,
-            ends: torch.Tensor | None, mxfp4: bool, config: TileConfig | None) -> torch.Tensor:
-    """x `[M, K]`, w `[E, N, K // 2]`, scale (and zero) `[E, N, K // g]`; ends None: one expert, every row."""
+            ends: torch.Tensor | None, mxfp4: bool, config: TileConfig | GemvConfig | None) -> torch.Tensor:
+    """x `[M, K]`, w `[E, N, K // 2]`, scale (and zero) `[E, N, K // g]`; ends None: one expert, every row. One
+    expert and at most GEMV_MAX_ROWS rows (or a GemvConfig) take the GEMV kernel, the rest the tiled GEMM."""
+    if ends is None and x.shape[0] and (isinstance(config, GemvConfig) or
+                                        config is None and x.shape[0] <= GEMV_MAX_ROWS):
+        return _launch_gemv(x, w[0], scale[0], None if zero is None else zero[0], group_size, mxfp4, config)
     bm, bn, bk = config or DEFAULT_TILES
     if config is None and ends is None and x.shape[0] > 32 and x.is_cuda:
         bm = 64                                 # many rows: taller tiles (the grouped forms keep 16, see above)
@@ -240,6 +368,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.T
     args = (x, w, scale, zero, out, tiles.tile_expert, tiles.tile_row, ends, rows, 1 << (rows - 1).bit_length(), n,
             k, experts, x.stride(0), w.stride(0), w.stride(1), scale.stride(0), scale.stride(1), out.stride(0))
     flags = dict(GROUP_SIZE=group_size, MXFP4=mxfp4, GROUPED=grouped, UPCAST=upcast, BLOCK_M=bm)
+    _helpers(interpret)
     plain, tuned = _kernels(interpret)
     if tuned is None or config is not None:      # the caller's tiles (the tests pick small ones)
         plain[(m_tiles, triton.cdiv(n, bn))](*args, **flags, BLOCK_N=bn, BLOCK_K=bk)
@@ -262,9 +391,9 @@ def _check(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, group_size: in
 
 
 def int4_matmul(x: torch.Tensor, qpacked: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                group_size: int, config: TileConfig | None = None) -> torch.Tensor:
+                group_size: int, config: TileConfig | GemvConfig | None = None) -> torch.Tensor:
     """x `[M, K]` (fp32/bf16/fp16) @ int4 w `[N, K]`.T -> `[M, N]` in x's dtype; qpacked `[N, K // 2]` uint8,
-    scale and zero `[N, K // group_size]` float32."""
+    scale and zero `[N, K // group_size]` float32. `config`: the GEMM's tiles or the GEMV's (None: by M)."""
     _check(x, qpacked, scale, group_size, "int4_matmul")
     if not _use_triton(x):
         return int4_matmul_ref(x, qpacked, scale, zero, group_size)
@@ -272,7 +401,7 @@ def int4_matmul(x: torch.Tensor, qpacked: torch.Tensor, scale: torch.Tensor, zer
 
 
 def mxfp4_matmul(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,
-                 config: TileConfig | None = None) -> torch.Tensor:
+                 config: TileConfig | GemvConfig | None = None) -> torch.Tensor:
     """x `[M, K]` @ MXFP4 w `[N, K]`.T -> `[M, N]` in x's dtype; blocks `[N, K // 2]`, scales `[N, K // 32]` uint8."""
     _check(x, blocks, scales, MX_BLOCK, "mxfp4_matmul")
     if not _use_triton(x):

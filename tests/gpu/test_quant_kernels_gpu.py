@@ -33,7 +33,7 @@ def cuda(*tensors: torch.Tensor) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("dtype,rel", TOLERANCE)
-@pytest.mark.parametrize("rows", [1, 37, 512])
+@pytest.mark.parametrize("rows", [1, 3, 37, 512])     # 1 and 3: the GEMV kernel
 def test_int4_matmul_cuda(dtype, rel, rows):
     qpacked, scale, zero = cuda(*(t[0] for t in make_int4(n=1024, k=4096, group=128)))
     x = torch.randn(rows, 4096, device="cuda", dtype=dtype)
@@ -41,7 +41,7 @@ def test_int4_matmul_cuda(dtype, rel, rows):
 
 
 @pytest.mark.parametrize("dtype,rel", TOLERANCE)
-@pytest.mark.parametrize("rows", [1, 64])
+@pytest.mark.parametrize("rows", [1, 3, 64])
 def test_mxfp4_matmul_cuda(dtype, rel, rows):
     blocks, scales = cuda(*(t[0] for t in make_mxfp4(n=2880, k=2880)))
     x = torch.randn(rows, 2880, device="cuda", dtype=dtype)

@@ -12,7 +12,7 @@ pytest.importorskip("triton")
 
 from engine.quant.packed import E2M1_VALUES  # noqa: E402
 from engine.quant.triton_gemm import (  # noqa: E402
-    TileConfig, expert_tiles, int4_dequantize, int4_grouped_matmul, int4_grouped_matmul_ref, int4_matmul,
+    GEMV_MAX_ROWS, GemvConfig, TileConfig, expert_tiles, int4_dequantize, int4_grouped_matmul, int4_grouped_matmul_ref, int4_matmul,
     int4_matmul_ref, mxfp4_grouped_matmul, mxfp4_grouped_matmul_ref, mxfp4_matmul, mxfp4_matmul_ref, pack_int4,
     unpack_int4)
 
@@ -150,3 +150,49 @@ def test_cpu_without_interpreter_runs_the_reference(monkeypatch):
     blocks, scales = (t[0] for t in make_mxfp4())
     x = torch.randn(3, K)
     assert torch.equal(mxfp4_matmul(x, blocks, scales), mxfp4_matmul_ref(x, blocks, scales))
+
+
+# The GEMV (at most GEMV_MAX_ROWS rows, one expert): K=96 in BLOCK_K 32 tiles over 2 splits leaves a split of 2
+# tiles and one of 1; BLOCK_K 64 with group 32 reads two groups per tile, with group 64 one (one scale per column).
+GEMV_SHAPES = [GemvConfig(16, 32, 2), GemvConfig(16, 64, 3), GemvConfig(8, 32, 16)]
+
+
+@pytest.mark.parametrize("config", GEMV_SHAPES)
+@pytest.mark.parametrize("dtype,rel", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_int4_gemv_matches_reference(config, dtype, rel):
+    for group in (32, 96):
+        qpacked, scale, zero = (t[0] for t in make_int4(group=group))
+        x = torch.randn(3, K).to(dtype)
+        assert_close(int4_matmul(x, qpacked, scale, zero, group, config),
+                     int4_matmul_ref(x, qpacked, scale, zero, group), rel)
+
+
+@pytest.mark.parametrize("config", GEMV_SHAPES)
+def test_mxfp4_gemv_matches_reference(config):
+    blocks, scales = (t[0] for t in make_mxfp4())
+    x = torch.randn(2, K)
+    assert_close(mxfp4_matmul(x, blocks, scales, config), mxfp4_matmul_ref(x, blocks, scales), 1e-5)
+
+
+def test_gemv_dequantizes_exactly_and_small_batches_take_it_by_default(monkeypatch):
+    """Rows of the identity read the weight back bit for bit; with no config, M <= GEMV_MAX_ROWS runs the GEMV
+    (the GEMM kernel is made to fail) and a larger M the GEMM."""
+    import engine.quant.triton_gemm as gemm
+    qpacked, scale, zero = (t[0] for t in make_int4())
+    dense = int4_dequantize(qpacked, scale, zero, GROUP)                          # [N, K]
+    for first in range(0, K, GEMV_MAX_ROWS):
+        rows = torch.eye(K)[first:first + GEMV_MAX_ROWS]
+        with monkeypatch.context() as m:
+            m.setattr(gemm, "_kernels", None)                                     # calling it would raise
+            assert torch.equal(int4_matmul(rows, qpacked, scale, zero, GROUP), dense[:, first:first + 4].T)
+    with monkeypatch.context() as m:
+        m.setattr(gemm, "_gemv_kernels", None)
+        x = torch.randn(GEMV_MAX_ROWS + 1, K)
+        assert_close(int4_matmul(x, qpacked, scale, zero, GROUP), int4_matmul_ref(x, qpacked, scale, zero, GROUP),
+                     1e-5)
+
+
+def test_gemv_refuses_a_split_it_has_no_slot_for():
+    qpacked, scale, zero = (t[0] for t in make_int4())
+    with pytest.raises(ValueError, match="split_k"):
+        int4_matmul(torch.randn(1, K), qpacked, scale, zero, GROUP, GemvConfig(16, 32, 17))
