@@ -105,10 +105,13 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Te
 
 
 def grouped_mm_supported(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
-    """torch._grouped_mm takes fp32/bf16/fp16 with every stride a multiple of 16 bytes."""
+    """torch._grouped_mm takes fp32/bf16/fp16 with every stride a multiple of 16 bytes; on CUDA, bf16 on a Hopper
+    (sm90) or newer GPU."""
     if not hasattr(torch, "_grouped_mm") or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False
     if x.dtype == torch.float16 and not x.is_cuda:
+        return False
+    if x.is_cuda and (x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device)[0] < 9):
         return False
     size = x.element_size()
     inter, hidden = w2.shape[2], w2.shape[1]

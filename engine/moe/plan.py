@@ -38,6 +38,14 @@ DENSE_MAX_PAIRS_PER_EXPERT = 8
 LOOP_EAGER_MIN_PAIRS_PER_EXPERT = 128
 
 
+# NOTE: on an H200 (benchmarks/gpu_kernels.py, bf16, E=128 k=8 H=2048 I=768, medians): the Triton pair took 370 /
+# 378 / 575 us at 1 / 32 / 256 tokens, torch._grouped_mm 222 / 475 / 553. At one token (0.06 pairs per expert)
+# nearly every active expert gets one row, and the Triton kernel's 16-row tiles waste 15 of them; from 2 pairs per
+# expert it wins. So CUDA takes the grouped GEMM up to (a bound near the one-token point, as only it was measured
+# below 2):
+CUDA_GROUPED_MAX_PAIRS_PER_EXPERT = 0.125
+
+
 class MoEShape(NamedTuple):
     experts: int
     hidden: int
@@ -51,12 +59,13 @@ def choose_path(shape: MoEShape, tokens: int, top_k: int, dtype: torch.dtype, tr
                 grouped_ok: bool) -> str:
     """The path for T=`tokens`; when `compiling`, one with no host sync and static shapes (see `paths.SYNC_FREE`).
 
-    `triton_cuda`: the weights are on CUDA and triton is installed (the fused kernels, eager and compiled; block
-    sizes not yet tuned on a GPU). `grouped_ok`: torch._grouped_mm takes these dtypes and strides.
+    `triton_cuda`: the weights are on CUDA and triton is installed (the fused kernels, eager and compiled, except at
+    a few pairs per expert, where the grouped GEMM measured faster). `grouped_ok`: torch._grouped_mm takes these
+    dtypes and strides (on CUDA: this GPU).
     """
-    if triton_cuda:
-        return "triton"
     pairs_per_expert = tokens * top_k / shape.experts
+    if triton_cuda:
+        return "grouped" if grouped_ok and pairs_per_expert <= CUDA_GROUPED_MAX_PAIRS_PER_EXPERT else "triton"
     cached = shape.expert_bytes(dtype) <= CACHE_RESIDENT_BYTES
     if compiling and pairs_per_expert <= GATHER_MAX_PAIRS_PER_EXPERT.get((cached, dtype), 2):
         return "gather"
