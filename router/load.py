@@ -21,7 +21,8 @@ class WorkerLoad:
 
     queue_len:        requests waiting or running on the worker
     running_tokens:   tokens of the requests it is running (prefill tokens still to compute + decode context)
-    backlog_s:        predicted seconds before it can start a new request (the queue wait the policy charges)
+    backlog_s:        predicted seconds before it can start a new request (the queue wait the policy charges): the
+                      worker's last reported backlog plus the prefill work the router sent it since that report
     recent_busy_s:    seconds of work assigned to it recently (an exponentially decayed sum, queued work included):
                       the long-run share the load guard balances
     measured:         its own prefill rate and tier read costs, when it reports them (the cost model prices this

@@ -157,6 +157,8 @@ class _Entry:
     inflight: int = 0
     busy_s: float = 0.0                       # decayed sum, as of busy_at
     busy_at: float = 0.0
+    sent_prefill_s: float = 0.0               # prefill work sent since the worker's last load report, as of sent_at
+    sent_at: float = 0.0
     last_kv_event_seq: int | None = None
     speculative: SpecFigures | None = None
 
@@ -206,7 +208,7 @@ class WorkerRegistry:
             entry = self._live(worker_id)
             entry.last_seen, entry.last_heartbeat_unix_ms = self._clock(), self._wall_ms()
             if load is not None:
-                entry.load = load
+                entry.load, entry.sent_prefill_s = load, 0.0
             if speculative is not None:
                 entry.speculative = speculative
             if last_kv_event_seq is not None:
@@ -255,14 +257,18 @@ class WorkerRegistry:
 
     # ---- routing accounting ---------------------------------------------------------------------------------
 
-    def begin(self, worker_id: WorkerId, work_s: float = 0.0) -> None:
-        """The router sent a step to the worker, predicted to take `work_s` seconds of its time."""
+    def begin(self, worker_id: WorkerId, work_s: float = 0.0, prefill_s: float = 0.0) -> None:
+        """The router sent a step to the worker, predicted to take `work_s` seconds of its time, `prefill_s` of them
+        (fetch and prefill) ahead of any prefill sent after it: until the worker's next load report counts it, the
+        policy sees it added to the reported backlog. Without that, every request between two heartbeats (a
+        second apart) would go to the worker whose last report was lowest."""
         with self._lock:
             entry = self._entries.get(worker_id)
             if entry is not None:
                 entry.inflight += 1
                 entry.busy_s = self._decayed(entry) + max(0.0, work_s)
                 entry.busy_at = self._clock()
+                entry.sent_prefill_s, entry.sent_at = self._sent(entry) + max(0.0, prefill_s), entry.busy_at
 
     def end(self, worker_id: WorkerId) -> None:
         with self._lock:
@@ -329,11 +335,17 @@ class WorkerRegistry:
         elapsed = max(0.0, self._clock() - entry.busy_at)
         return entry.busy_s * math.pow(0.5, elapsed / self.config.busy_half_life_s)
 
+    def _sent(self, entry: _Entry) -> float:
+        """Prefill work sent since the last load report. It also halves every two heartbeat intervals, so a worker
+        whose reports carry no load (a vLLM worker without /metrics) is not charged its sends forever."""
+        elapsed = max(0.0, self._clock() - entry.sent_at)
+        return entry.sent_prefill_s * math.pow(0.5, elapsed / (2e-3 * self.config.heartbeat_interval_ms))
+
     def _policy_load(self, e: _Entry) -> WorkerLoad:
         # NOTE: the router's own in-flight count is fresher than the last heartbeat; take the larger of the two.
         queue_len = max(e.load.running + e.load.waiting, e.inflight)
         return WorkerLoad(e.record.id, e.record.role, queue_len=queue_len, running_tokens=e.load.running_tokens,
-                          backlog_s=max(0.0, e.load.backlog_s), recent_busy_s=self._decayed(e),
+                          backlog_s=max(0.0, e.load.backlog_s) + self._sent(e), recent_busy_s=self._decayed(e),
                           measured=e.load.measured)
 
     def _view(self, e: _Entry) -> WorkerView:

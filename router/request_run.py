@@ -240,7 +240,7 @@ class RequestRun:
                                             decode_worker_id=decision.decode_worker,
                                             max_load_blocks=decision.max_load_blocks,
                                             expected_cached_blocks=self._expected_blocks(decision))
-        self.d.registry.begin(p, decision.work_s)
+        self.d.registry.begin(p, decision.work_s, prefill_s=decision.work_s)
         try:
             future = self.d.channels.stub(address).Prefill.future(request, timeout=self._remaining())
             self._attach(future, p, address)
@@ -277,7 +277,7 @@ class RequestRun:
         if self.progress.token_ids:
             self.migrations += 1
         yield from self._stream(decision.decode_worker, "Generate", request, prefill=None,
-                                work_s=decision.work_s + self._decode_work_s())
+                                work_s=decision.work_s + self._decode_work_s(), prefill_s=decision.work_s)
 
     def _expected_blocks(self, decision: RouteDecision) -> int:
         """Leading blocks the plan loads rather than computes (the worker's shared-tier index may lag behind)."""
@@ -286,8 +286,8 @@ class RequestRun:
     def _decode_work_s(self) -> float:
         return self.sampling.max_tokens * self.d.config.decode_s_per_token
 
-    def _stream(self, worker_id: str, method: str, request, prefill,
-                work_s: float) -> Iterator[strata_pb2.GenerateResponse]:
+    def _stream(self, worker_id: str, method: str, request, prefill, work_s: float,
+                prefill_s: float = 0.0) -> Iterator[strata_pb2.GenerateResponse]:
         """Forward a worker's TokenChunk stream, skipping what the client already has (a rerun after a retry)."""
         address = self.d.address_of(worker_id)
         # What the worker's stream continues from: Decode after the first token (its text is the client's); a
@@ -297,7 +297,7 @@ class RequestRun:
         rerun_logprobs: list = list(self.progress.logprobs[:resumed])
         rerun_text = self.progress.text if method == "Decode" else ""
         prompt_logprobs: Sequence = ()
-        self.d.registry.begin(worker_id, work_s)
+        self.d.registry.begin(worker_id, work_s, prefill_s)
         call, finished = None, False
         try:
             call = getattr(self.d.channels.stub(address), method)(request, timeout=self._remaining())

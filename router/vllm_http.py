@@ -80,7 +80,7 @@ class VllmDoor:
         worker = route.worker
         url = worker.url.rstrip("/") + path
         headers = {"x-request-id": request.headers["x-request-id"]} if "x-request-id" in request.headers else {}
-        self.fleet.registry.begin(worker.id, route.decision.work_s)
+        self.fleet.registry.begin(worker.id, route.decision.work_s, prefill_s=route.decision.work_s)
         try:
             upstream = await self._client.send(self._client.build_request("POST", url, json=body, headers=headers),
                                                stream=True)

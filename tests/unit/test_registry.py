@@ -156,6 +156,20 @@ def test_inflight_and_recent_work_feed_the_load_view(registry, clock):
     registry.check_integrity()
 
 
+def test_prefill_sent_since_the_last_load_report_adds_to_its_backlog(registry, clock):
+    registry.register(make_record("d0"))
+    registry.heartbeat("d0", LoadFigures(backlog_s=0.5))
+    registry.begin("d0", work_s=3.0, prefill_s=0.25)          # decode work counts in recent work only
+    registry.begin("d0", work_s=0.25, prefill_s=0.25)
+    assert registry.load_view().workers[0].backlog_s == pytest.approx(1.0)
+    registry.heartbeat("d0")                                  # liveness only: nothing is reported, nothing replaced
+    assert registry.load_view().workers[0].backlog_s == pytest.approx(1.0)
+    clock.now += 2 * registry.config.heartbeat_interval_ms / 1000   # unreported sends fade (half per 2 intervals)
+    assert registry.load_view().workers[0].backlog_s == pytest.approx(0.75)
+    registry.heartbeat("d0", LoadFigures(backlog_s=0.3))      # the report now counts them
+    assert registry.load_view().workers[0].backlog_s == pytest.approx(0.3)
+
+
 def test_load_view_filters_by_model_and_exclusions(registry):
     registry.register(make_record("a", model="m1"))
     registry.register(make_record("b", model="m2"))

@@ -19,7 +19,7 @@ from router.cost_model import (
 )
 from router.index import PrefixIndex, WorkerId
 from router.load import LoadView, WorkerLoad
-from router.registry import ModelFacts, WorkerRecord, WorkerRegistry
+from router.registry import LoadFigures, ModelFacts, WorkerRecord, WorkerRegistry
 from router.policy import (
     POLICIES,
     NoWorkerError,
@@ -219,7 +219,7 @@ def _serve_through_registry(index: PrefixIndex, n_requests: int, concurrent: boo
     for r in range(n_requests):
         request = RouteRequest(chain(list(range(16)) + [500 + 2 * r, 501 + 2 * r]), 18 * BS, r)
         d = kv_aware(request, index.match(request.block_hashes), registry.load_view(), CFG)
-        registry.begin(d.prefill_worker, d.work_s)
+        registry.begin(d.prefill_worker, d.work_s, prefill_s=d.work_s)   # as request_run does
         if not concurrent:
             registry.end(d.prefill_worker)
             now[0] += 1.0
@@ -237,6 +237,31 @@ def test_prefix_only_in_one_prefill_workers_host_tier_keeps_every_request_there(
     assert [(d.prefill_worker, d.cached_tokens) for d in decisions] == [("p0", 64)] * 6
     # charged: the prefill of 8 tokens + one host read (50 us), not the queue wait
     assert all(d.work_s == pytest.approx(0.008 + 50e-6) for d in decisions)
+
+
+@pytest.mark.parametrize("policy", [kv_aware, least_loaded])
+def test_a_burst_between_two_heartbeats_is_spread_not_sent_to_the_lowest_last_report(policy):
+    """Colocated workers (`--prefill 0`) report backlogs a second apart. The router adds the prefill it sent since
+    each report, so a burst of cold prompts alternates between two equal workers and the predicted queue waits
+    include it. Before, least_loaded sent every request until the next heartbeat to the worker whose last report
+    was lowest (kv_aware's load guard spread them by recent work, but its TTFT predictions left out the queue the
+    router had just built). A load report replaces what was added."""
+    registry = WorkerRegistry(clock=lambda: 0.0)
+    for wid, backlog in (("d0", 0.10), ("d1", 0.11)):
+        registry.register(WorkerRecord(WorkerId(wid), "decode", f"{wid}:1", ModelFacts("m")))
+        registry.heartbeat(WorkerId(wid), LoadFigures(backlog_s=backlog))
+    route_ = local_only(policy)
+    sent = []
+    for r in range(8):                                  # 16 uncached blocks each: 64 ms of prefill at 1,000 tok/s
+        request = make_request(16, seq=r, start=100 * r)
+        d = route_(request, PrefixIndex().match(request.block_hashes), registry.load_view(), CFG)
+        registry.begin(d.prefill_worker, d.work_s, prefill_s=d.work_s)
+        sent.append(d.prefill_worker)
+    assert Counter(sent) == {"d0": 4, "d1": 4}, sent
+    assert {w.worker_id: w.backlog_s for w in registry.load_view().workers} == \
+        pytest.approx({"d0": 0.10 + 4 * 0.064, "d1": 0.11 + 4 * 0.064})
+    registry.heartbeat(WorkerId("d0"), LoadFigures(backlog_s=0.2))
+    assert registry.load_view().workers[0].backlog_s == pytest.approx(0.2)
 
 
 def _replay_hot_prefix(config: CostModelConfig, n_requests: int = 80) -> Counter:
