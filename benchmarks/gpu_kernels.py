@@ -3,9 +3,10 @@
 Three families, each at shapes of real models, each timed against its baseline in the same run:
 - weight-only GEMM: `x @ W.T` with W in bf16 (`torch.mm`, cuBLAS) against the int4 (group 128, zero points) and
   MXFP4 Triton kernels (`engine/quant/triton_gemm.py`; 1 row runs its split-K GEMV, more rows the tiled GEMM), at
-  1, 16 and 128 rows, for an 8B-class attention projection (4096x4096) and MLP projection (14336x4096). Beside each: the weight bytes per second it reached, as
-  a share of the device's copy bandwidth (bytes read + written per second by one large copy) measured in the same
-  run, the physical bound of a weight-streaming matmul (above 1: the weights stayed in L2 between calls);
+  1, 16 and 128 rows, for an 8B-class attention projection (4096x4096) and MLP projection (14336x4096). Beside
+  each: the weight bytes per second it reached, as a share of the device's copy bandwidth (bytes read + written
+  per second by one large copy) measured in the same run, the physical bound of a weight-streaming matmul (above
+  1: the weights stayed in L2 between calls);
 - fused MoE: the Triton kernel pair (`engine/moe/triton_moe.py`) against the torch paths the engine can pick
   (`grouped`: `torch._grouped_mm` over sorted tokens where torch has it; `loop`: one matmul pair per expert) for a
   Qwen3-30B-A3B-shaped layer (128 experts, top 8, hidden 2048, expert width 768) at 1, 32 and 256 tokens;

@@ -12,9 +12,9 @@ pytest.importorskip("triton")
 
 from engine.quant.packed import E2M1_VALUES  # noqa: E402
 from engine.quant.triton_gemm import (  # noqa: E402
-    GEMV_MAX_ROWS, GemvConfig, TileConfig, expert_tiles, int4_dequantize, int4_grouped_matmul, int4_grouped_matmul_ref, int4_matmul,
-    int4_matmul_ref, mxfp4_grouped_matmul, mxfp4_grouped_matmul_ref, mxfp4_matmul, mxfp4_matmul_ref, pack_int4,
-    unpack_int4)
+    GEMV_MAX_ROWS, GemvConfig, TileConfig, expert_tiles, int4_dequantize, int4_grouped_matmul,
+    int4_grouped_matmul_ref, int4_matmul, int4_matmul_ref, mxfp4_grouped_matmul, mxfp4_grouped_matmul_ref,
+    mxfp4_matmul, mxfp4_matmul_ref, pack_int4, unpack_int4)
 
 # tl.dot's smallest tiles; N=24 leaves a partial N tile, K=96 with BLOCK_K=64 a partial K tile that spans groups
 SMALL = TileConfig(16, 16, 64)
