@@ -30,7 +30,7 @@ class HandoffPool:
         if num_slots < 1:
             raise ValueError(f"handoff capacity {capacity_bytes} B holds no {slot_bytes}-byte slot")
         self.slot_bytes, self.num_slots = slot_bytes, num_slots
-        self._region = MemoryRegion.shared(REGION_ID, num_slots * slot_bytes)
+        self._region = MemoryRegion.shared(REGION_ID, num_slots * slot_bytes, populate=True)
         self._agent = agent
         self.handle = agent.register(self._region)
         self._lock = threading.Lock()

@@ -55,6 +55,7 @@ class HostTier(Tier):
             self._segment = Segment.create(self.shm_name, slot_bytes, num_slots)
         except OSError as exc:  # /dev/shm full or too small
             raise self._failed(f"create of {num_slots} x {slot_bytes} B shared memory", exc) from exc
+        self._segment.populate_async()   # the first write into each slot must not fault in its pages
         # Unlinks the segment when the tier is collected or the interpreter exits without close().
         self._finalizer = weakref.finalize(self, self._segment.close)
         self._free = list(range(num_slots - 1, -1, -1))

