@@ -25,6 +25,7 @@ class HostTierConfig:
     capacity_bytes: int = 1 * GiB
     slot_bytes: int = 0
     shm_name: str = ""  # empty: a unique name per process; set it so peers can attach by a known name
+    populate: bool = False  # fault the whole segment in at creation, in the background (workers: on)
 
     def __post_init__(self) -> None:
         _require(self.capacity_bytes > 0, f"host.capacity_bytes must be > 0, got {self.capacity_bytes}")

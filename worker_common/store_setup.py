@@ -52,7 +52,9 @@ def store_config(config: WorkerConfig) -> StoreConfig:
     redis = RedisTierConfig(url=config.redis_url, quota_bytes=config.tier_quota_bytes) if config.redis_url else None
     s3 = replace(s3_config(config.s3_url), quota_bytes=config.tier_quota_bytes) if config.s3_url else None
     write_through = tuple(name for name, tier in (("disk", disk), ("redis", redis), ("s3", s3)) if tier is not None)
-    return StoreConfig(host=HostTierConfig(capacity_bytes=config.host_tier_bytes), disk=disk, redis=redis, s3=s3,
+    # NOTE: populate: the host tier's pages are faulted in at start, not by the first write into each slot
+    host = HostTierConfig(capacity_bytes=config.host_tier_bytes, populate=True)
+    return StoreConfig(host=host, disk=disk, redis=redis, s3=s3,
                        write_through=write_through, encryption_key_file=config.kv_encryption_key_file)
 
 

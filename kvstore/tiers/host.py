@@ -30,8 +30,12 @@ class HostTier(Tier):
     process; reads by peers do not refresh a block.
     """
 
-    def __init__(self, capacity_bytes: int, slot_bytes: int = 0, shm_name: str = "") -> None:
+    def __init__(self, capacity_bytes: int, slot_bytes: int = 0, shm_name: str = "", populate: bool = False) -> None:
+        """`populate`: fault the segment's pages in when it is created (on a background thread, contents untouched:
+        `kvstore.transfer.segment.populate`), so that storing a block does not pay a page fault per 4 KiB. It
+        commits `capacity_bytes` of memory at start, as a pinned host buffer would."""
         super().__init__()
+        self._populate = populate
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
         self.capacity_bytes, self._slot_bytes = capacity_bytes, slot_bytes
@@ -55,7 +59,8 @@ class HostTier(Tier):
             self._segment = Segment.create(self.shm_name, slot_bytes, num_slots)
         except OSError as exc:  # /dev/shm full or too small
             raise self._failed(f"create of {num_slots} x {slot_bytes} B shared memory", exc) from exc
-        self._segment.populate_async()   # the first write into each slot must not fault in its pages
+        if self._populate:
+            self._segment.populate_async()
         # Unlinks the segment when the tier is collected or the interpreter exits without close().
         self._finalizer = weakref.finalize(self, self._segment.close)
         self._free = list(range(num_slots - 1, -1, -1))

@@ -9,8 +9,11 @@ import sys
 import numpy as np
 import pytest
 
+from kvstore.config import HostTierConfig
 from kvstore.tiers.host_segment import Segment
 from kvstore.transfer.segment import SharedSegment, fresh_name, populate
+from worker_common.config import WorkerConfig
+from worker_common.store_setup import store_config
 
 SIZE = 32 << 20          # 8,192 pages of 4 KiB
 
@@ -46,3 +49,9 @@ def test_the_background_populate_of_a_host_tier_segment_finishes_and_a_closed_on
         mm = segment._mmap
         segment.close()
     assert populate(mm) is False
+
+
+
+def test_workers_populate_their_host_tier_and_the_library_default_does_not():
+    assert store_config(WorkerConfig(role="prefill", model="m")).host.populate
+    assert not HostTierConfig().populate

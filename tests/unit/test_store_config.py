@@ -11,7 +11,8 @@ from kvstore.config import DiskTierConfig, HostTierConfig, RedisTierConfig, S3Ti
 def test_defaults_configure_host_only():
     config = StoreConfig()
     assert config.tier_names() == ["host"]
-    assert config.tier_options("host") == {"capacity_bytes": 1 << 30, "slot_bytes": 0, "shm_name": ""}
+    assert config.tier_options("host") == {"capacity_bytes": 1 << 30, "slot_bytes": 0, "shm_name": "",
+                                           "populate": False}
 
 
 def test_tiers_are_ordered_fastest_first_and_options_are_constructor_keywords():
