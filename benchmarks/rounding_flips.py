@@ -28,6 +28,7 @@ SETTINGS = {"top-p 0.95": dict(temperature=0.9, top_p=0.95), "whole vocabulary":
 
 
 def prompt(i: int) -> str:
+    """Request i's prompt, as `tests/faults/test_decode_faults.py` sends it (it imports this)."""
     return f"shared preamble of the fault test {i % 2} " * 3 + f"request {i} asks for w{i % 13} w{i % 5}"
 
 

@@ -211,13 +211,14 @@ class Dispatcher:
             self._seq += 1
             seq = self._seq
         request = RouteRequest(tuple(run.hashes), len(run.prompt), seq)
+        match, cost = self.index.match(run.hashes), self.cost[run.model.id]
         try:
-            decision = self.policy(request, self.index.match(run.hashes), view, self.cost[run.model.id])
+            decision = self.policy(request, match, view, cost)
         except NoWorkerError:
             if not view.decode_workers():
                 raise ApiError(grpc.StatusCode.UNAVAILABLE, f"no ready decode worker for model {run.model.id!r} "
                                f"(tried: {sorted(excluded) or 'none'}); retry with backoff") from None
-            decision = local_only(self.policy)(request, self.index.match(run.hashes), view, self.cost[run.model.id])
+            decision = local_only(self.policy)(request, match, view, cost)
         log.debug("route %s: %s", run.request_id, decision)
         return decision
 

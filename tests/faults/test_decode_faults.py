@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import httpx
@@ -26,6 +28,9 @@ from strata.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from tests.e2e.conftest import SMALL_WORKERS
 from tests.e2e.fault_worker import FaultyLauncher
 from tests.e2e.own_cluster import own_cluster
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # as when run as a script
+from rounding_flips import prompt  # noqa: E402  (the benchmark measures how often these requests flip)
 
 pytestmark = pytest.mark.slow
 
@@ -44,8 +49,7 @@ def make_request(i: int) -> dict:
     close to a boundary about once in a few thousand draws: with top-p 0.95 request 23 flipped at output position 6
     (and in CI), with the whole vocabulary 1-2 of 64 requests flipped when the same 64 requests ran eager and
     compiled; with top-k 50, 0 of 64 (benchmarks/rounding_flips.py). See the README, "Request migration"."""
-    prompt = f"shared preamble of the fault test {i % 2} " * 3 + f"request {i} asks for w{i % 13} w{i % 5}"
-    return dict(prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.9, top_k=50, seed=1000 + i, ignore_eos=True,
+    return dict(prompt=prompt(i), max_tokens=MAX_TOKENS, temperature=0.9, top_k=50, seed=1000 + i, ignore_eos=True,
                 presence_penalty=0.3)
 
 
