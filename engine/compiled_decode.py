@@ -356,6 +356,12 @@ class CompiledDecode:
             return [2]
         return [1 << i for i in range(1, self.table_width(self.max_blocks).bit_length())]
 
+    def warmup_passes(self) -> int:
+        """How many times `warmup` runs each (bucket, width). On CUDA two: Inductor's CUDA graph trees run a new
+        shape eagerly at its first call and record its graph at the second (measured on an H200: with one pass,
+        serving still recorded every graph)."""
+        return 2 if self.device.type == "cuda" else 1
+
     def warmup_position(self, width: int) -> int:
         """A position whose step uses table width `width` (2 at the least: never 1, which the compiler would
         specialise): the second slot of block width // 2, so every width's table rounds up to exactly `width`."""
@@ -363,9 +369,9 @@ class CompiledDecode:
 
     def warmup(self, execute: Callable[[StepBatch], torch.Tensor],
                log: Callable[[str], None] | None = None) -> None:
-        """Compile and run every bucket once (on CUDA once per table width, `warmup_widths`) through `execute`
-        (the runner's step) on a scratch decode in block 0, whose contents are restored after: call before
-        serving."""
+        """Compile and run every bucket (on CUDA at every table width, `warmup_widths`, `warmup_passes` times)
+        through `execute` (the runner's step) on a scratch decode in block 0, whose contents are restored after:
+        call before serving."""
         log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         saved = self.cache.tensor[0].clone()
         start, widths = time.perf_counter(), self.warmup_widths()
@@ -373,7 +379,9 @@ class CompiledDecode:
             t0, before = time.perf_counter(), self.compilations
             for width in widths:
                 position = self.warmup_position(width)
-                execute(StepBatch([ScheduledSeq(f"warmup-{j}", [0], position, [0] * width) for j in range(size)]))
+                for _ in range(self.warmup_passes()):
+                    execute(StepBatch([ScheduledSeq(f"warmup-{j}", [0], position, [0] * width)
+                                       for j in range(size)]))
             done = "compiled" if self.compilations > before else "ready"
             log(f"compiling the decode step: bucket {i + 1}/{len(self.buckets)} (batch {size}) {done} in "
                 f"{time.perf_counter() - t0:.1f} s" + (f" ({len(widths)} table widths)" if len(widths) > 1 else ""))

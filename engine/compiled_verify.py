@@ -135,7 +135,7 @@ class CompiledVerify(CompiledDecode):
 
     def warmup(self, execute: Callable[[StepBatch], torch.Tensor],
                log: Callable[[str], None] | None = None) -> None:
-        """Compile and run every bucket once (on CUDA once per table width) with n tokens per sequence on scratch
+        """Compile and run every bucket (on CUDA at every table width, twice: `warmup_passes`) with n tokens per sequence on scratch
         slots of block 0 (restored)."""
         log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         saved = self.cache.tensor[0].clone()
@@ -144,8 +144,9 @@ class CompiledVerify(CompiledDecode):
             position = self.warmup_position(width)
             table = [0] * max(width, self.table_width((position + self.n - 1) // self.block_size + 1))
             for size in self.buckets:
-                execute(StepBatch([ScheduledSeq(f"warmup-{j}", [0] * self.n, position, table, self.n)
-                                   for j in range(size)]))
+                for _ in range(self.warmup_passes()):
+                    execute(StepBatch([ScheduledSeq(f"warmup-{j}", [0] * self.n, position, table, self.n)
+                                       for j in range(size)]))
         self.cache.tensor[0].copy_(saved)
         log(f"verify step ({self.n} tokens per sequence) compiled for batch sizes {self.buckets} in "
             f"{time.perf_counter() - start:.1f} s ({self.compilations - before} graphs)")
