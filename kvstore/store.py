@@ -21,7 +21,8 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor, wait
-from typing import Any, Callable, NamedTuple, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 from kvstore import codec
 from kvstore.config import StoreConfig
@@ -90,6 +91,7 @@ class TieredStore:
             tier.eviction_listener = lambda key, data, name=name: self._on_evict(name, key, data)
             if isinstance(tier, SealedTier):  # a copy that does not open was counted and deleted by the tier
                 tier.bad_copy_listener = lambda key, name=name: self._events.removed(name, [key])
+        self._in_hand, self._in_hand_lock = 0, threading.Lock()      # `writing`
         self._writer = WriteBehind(self._read_back, self._write_tier, self._dropped,
                                    max_entries=config.max_pending_writes, max_data_entries=config.queue_depth,
                                    retry_s=config.backoff_initial_s, max_attempts=config.write_attempts,
@@ -380,7 +382,22 @@ class TieredStore:
         return out
 
     def pending_writes(self) -> int:
-        return self._writer.pending()
+        with self._in_hand_lock:
+            in_hand = self._in_hand
+        return self._writer.pending() + in_hand
+
+    @contextmanager
+    def writing(self) -> Iterator[None]:
+        """Count a write its caller is about to make as pending (`pending_writes`) for the block's duration: a
+        worker answers a request first and writes its blocks after, and whoever waits for no pending write must
+        wait for those too."""
+        with self._in_hand_lock:
+            self._in_hand += 1
+        try:
+            yield
+        finally:
+            with self._in_hand_lock:
+                self._in_hand -= 1
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait for queued background writes (tests, shutdown); False on timeout."""

@@ -236,3 +236,19 @@ def test_clear_empties_every_tier_and_publishes_all_cleared(tmp_path):
         store.clear()
         assert store.lookup(HASHES[:2]).per_tier == {"host": 0, "disk": 0}
         assert type(events.events[-1]).__name__ == "AllBlocksCleared"
+
+
+def test_a_write_in_hand_counts_as_pending_until_it_is_made(tmp_path):
+    """A worker answers first and writes after (`writing`): whoever waits for no pending write waits for it too."""
+    with make_store(tmp_path) as store:
+        assert store.pending_writes() == 0
+        with store.writing():
+            assert store.pending_writes() == 1
+            with store.writing():
+                assert store.pending_writes() == 2
+            store.put(items(0))
+            assert store.pending_writes() >= 1
+        assert store.flush() and store.pending_writes() == 0
+        with pytest.raises(RuntimeError), store.writing():   # a failed write is not owed forever
+            raise RuntimeError("the write failed")
+        assert store.pending_writes() == 0
