@@ -11,7 +11,7 @@ configured.
 
 Conditions run in a different order each round (interleaved); the table shows medians, `cold ÷ this`, and the
 onboarding breakdown the serving worker reports (lookup, read, verify, install, then the computation of the new
-tokens, and the serving path around it: router, RPCs, queue), next to the bound: the prefix's bytes ÷ the tier's raw read bandwidth measured in this run (a memcpy for
+tokens, and the serving path around it: router, RPCs, queue, each shown apart below the table), next to the bound: the prefix's bytes ÷ the tier's raw read bandwidth measured in this run (a memcpy for
 host, a read of the same bytes from files for disk, one pipelined GET for Redis, one GET of one object for S3).
 
     python benchmarks/ttft_tiers.py                        # 3 rounds, 1,984 cached + 63 new tokens
@@ -43,6 +43,7 @@ CONDITIONS = ("cold", "device", "host", "disk", "redis", "s3")
 TIERS = ("device", "host", "disk", "redis", "s3")
 SETTLE_S = 0.5
 BREAKDOWN = ("lookup", "read", "verify", "install", "compute", "serving")
+SERVING_PARTS = ("queue", "router", "rest")   # of "serving": the worker's engine queue, client <-> router, the rest
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -102,11 +103,21 @@ class Bench:
         load = {"lookup": t.load_lookup_ms, "read": t.load_read_ms, "verify": t.load_verify_ms,
                 "install": t.load_install_ms}
         # The worker's prefill_ms is lookup + read + verify + compute (install runs before its clock starts);
-        # serving: the rest of the client's TTFT (router, RPCs, queue, the first token's way back).
+        # serving: the rest of the client's TTFT (`serving_parts`).
         compute = max(0.0, t.prefill_ms - t.load_lookup_ms - t.load_read_ms - t.load_verify_ms)
         return {"ttft_ms": ttft * 1e3, **load, "compute": compute,
-                "serving": max(0.0, ttft * 1e3 - t.prefill_ms - t.load_install_ms),
+                **serving_parts(ttft * 1e3, t),
                 "cached_tokens": last.usage.cached_tokens, "by_tier": dict(t.blocks_by_tier)}
+
+
+def serving_parts(ttft_ms: float, t) -> dict[str, float]:
+    """The client's TTFT around the worker's figures: `serving` (all of it), `queue` (the worker's engine queue),
+    `router` (the client's TTFT minus the router's: the client <-> router hop) and `rest` (router -> worker RPC,
+    hashing, admission, the answer's way back). Where install overlaps the reads (disk, Redis, S3: chunks install
+    while later ones are read) serving is clamped at 0 and `rest` can be negative."""
+    serving = max(0.0, ttft_ms - t.prefill_ms - t.load_install_ms)
+    router = max(0.0, ttft_ms - t.ttft_ms) if t.ttft_ms else 0.0
+    return {"serving": serving, "queue": t.queue_ms, "router": router, "rest": serving - t.queue_ms - router}
 
 
 def raw_bandwidths(nbytes: int, redis_url: str, s3: S3Server, scratch: Path) -> dict[str, float]:
@@ -164,7 +175,7 @@ def block_bytes(client: StrataClient) -> int:
 def summarize(samples: dict[str, list[dict]]) -> dict[str, dict]:
     out = {}
     for condition, runs in samples.items():
-        med = {key: statistics.median(r[key] for r in runs) for key in ("ttft_ms", *BREAKDOWN)}
+        med = {key: statistics.median(r[key] for r in runs) for key in ("ttft_ms", *BREAKDOWN, *SERVING_PARTS)}
         med["cached_tokens"] = statistics.median(r["cached_tokens"] for r in runs)
         med["by_tier"] = runs[-1]["by_tier"]
         med["samples_ms"] = [round(r["ttft_ms"], 1) for r in runs]
@@ -185,6 +196,11 @@ def report(summary: dict[str, dict], bound_ms: dict[str, float], bandwidth: dict
         bw = f"{bandwidth[condition] / 1e9:8.2f}" if condition in bandwidth else f"{'':>8}"
         print(f"{condition:<22} {med['ttft_ms']:8.1f} {med['cold_over_this']:8.2f}× {med['cached_tokens']:7.0f} " +
               " ".join(f"{med[k]:8.1f}" for k in BREAKDOWN) + f" {bound}{bw}  {med['by_tier']}")
+    print("serving, of which: the worker's engine queue, client <-> router (the client's TTFT minus the router's), "
+          "and the rest (router -> worker RPC, hashing, admission, the answer's way back), medians, ms")
+    for condition, med in summary.items():
+        print(f"{condition:<22} serving {med['serving']:6.1f}: queue {med['queue']:5.1f}, router "
+              f"{med['router']:5.1f}, rest {med['rest']:5.1f}")
 
 
 def plot(summary: dict[str, dict], path: str) -> None:
