@@ -5,12 +5,15 @@ attachment with the resource tracker, which unlinks the owner's segment when a *
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 import mmap
 import os
 import re
 import secrets
 import threading
 import weakref
+from typing import Callable
 
 import _posixshmem
 
@@ -23,20 +26,53 @@ _NAME_RE = re.compile(r"st-([0-9a-f]{1,8})-[0-9a-f]{12}")
 # Linux's MADV_POPULATE_WRITE (5.14+; Python's mmap module does not name it before 3.13): fault every page of a range
 # in, writable, without writing to it, so the first write into a fresh slot does not pay a page fault per 4 KiB.
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
-_POPULATE_CHUNK = 64 << 20
+_POPULATE_CHUNK = 16 << 20
+
+
+@functools.lru_cache(maxsize=1)
+def _libc_madvise() -> Callable[[int, int, int], int] | None:
+    """libc's madvise through ctypes, which lets go of the GIL during the call (`mmap.madvise` holds it: populating
+    512 MiB kept every other thread of the process waiting ~0.3 s); None where there is no such libc."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        madvise = libc.madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return madvise
+
+
+def _address(mm: mmap.mmap) -> int:
+    """Where `mm` is mapped (the buffer export ends at once, so `mm` can still be closed)."""
+    view = (ctypes.c_char * 1).from_buffer(mm)
+    try:
+        return ctypes.addressof(view)
+    finally:
+        del view
 
 
 def populate(mm: mmap.mmap, chunk: int = _POPULATE_CHUNK) -> bool:
-    """Fault in every page of `mm` (a chunk per call, so other threads run in between; the contents are not
-    touched, so it is safe while others write). False where the kernel cannot (not Linux, before 5.14) or once
-    the mapping is closed."""
+    """Fault in every page of `mm`, a chunk per call, without the GIL where libc's madvise can be called (the
+    process's other threads run meanwhile), else through `mmap.madvise` (which holds it). The contents are not
+    touched, so it is safe while others write. False where the kernel cannot (not Linux, before 5.14) or once the
+    mapping is closed.
+    NOTE: a close between the closed check and a chunk's call leaves that call an unmapped range (ENOMEM, the
+    end) or, were the range mapped again meanwhile, pages faulted in that nothing reads: no byte changes."""
     if not hasattr(mm, "madvise"):
         return False
+    madvise = _libc_madvise()
     try:
         size = len(mm)
+        base = _address(mm) if madvise is not None and size else 0
         for start in range(0, size, chunk):
-            mm.madvise(MADV_POPULATE_WRITE, start, min(chunk, size - start))
-    except (OSError, ValueError):   # EINVAL: an older kernel; ValueError: closed meanwhile
+            length = min(chunk, size - start)
+            if madvise is None:
+                mm.madvise(MADV_POPULATE_WRITE, start, length)
+            elif mm.closed:
+                return False
+            elif madvise(base + start, length, MADV_POPULATE_WRITE) != 0:
+                raise OSError(ctypes.get_errno(), "madvise(MADV_POPULATE_WRITE) failed")
+    except (OSError, ValueError, TypeError):   # EINVAL: an older kernel; ValueError: closed meanwhile
         return False
     return True
 
