@@ -16,6 +16,7 @@ host, a read of the same bytes from files for disk, one pipelined GET for Redis,
 
     python benchmarks/ttft_tiers.py                        # 3 rounds, 1,984 cached + 63 new tokens
     python benchmarks/ttft_tiers.py --rounds 5 --plot ttft_tiers.png
+    python benchmarks/ttft_tiers.py --max-tokens 4         # the request goes on: its KV is handed to decode
     python benchmarks/ttft_tiers.py --quick --json         # CI smoke run
 """
 from __future__ import annotations
@@ -52,6 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prefix-tokens", type=int, default=1984, help="cached prefix (a multiple of 16)")
     parser.add_argument("--new-tokens", type=int, default=63, help="uncached tokens after the prefix")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=1,
+                        help="tokens each timed request generates (1: the prefill worker answers alone; more: the "
+                             "KV goes to the decode worker, as a request that goes on does)")
     parser.add_argument("--prefill", type=int, default=1)
     parser.add_argument("--decode", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="short prompts, one round (CI smoke run)")
@@ -95,7 +99,8 @@ class Bench:
     def timed(self, prompt: list[int]) -> dict:
         started = time.perf_counter()
         ttft, last = None, None
-        for chunk in self.client.stream(prompt, max_tokens=1, ignore_eos=True, include_metrics=True):
+        for chunk in self.client.stream(prompt, max_tokens=self.args.max_tokens, ignore_eos=True,
+                                        include_metrics=True):
             if ttft is None and chunk.token_ids:
                 ttft = time.perf_counter() - started
             last = chunk

@@ -1,8 +1,10 @@
-"""The prefill worker's gRPC service (DESIGN §2 step 3): Prefill, ReleaseKv, Abort, Health, Stats.
+"""The prefill worker's gRPC service (DESIGN §2 step 3): Prefill, PrefillStream, ReleaseKv, Abort, Health, Stats.
 
     Prefill: validate -> load cached prefix blocks (device, else store) -> engine thread: install + add request
              (max_tokens=1, chunked prefill by the scheduler) -> first token -> export blocks under a lease
              -> PrefillResponse(first token, text delta, KvHandle, timings)
+    PrefillStream: the same, answered in two messages: the first token as soon as it is sampled, then the
+             KvHandle once the export is done (the router forwards the token meanwhile)
 
 A Prefill the client aborted answers FINISH_REASON_ABORT; one this worker failed (the engine step, the output
 handling or the export raised, or the worker shut down) answers an error status (INTERNAL, UNAVAILABLE), never a
@@ -53,7 +55,9 @@ class PrefillJob(Tracked):
         self.fingerprint, self.params, self.ttl_s = fingerprint, params, ttl_s
         self.text = TextStream(service.bundle.tokenizer, prompt, params)
         self.done = threading.Event()
+        self.first = threading.Event()      # set with `first_response` (or on abort / failure), before the export
         self.response: worker_pb2.PrefillResponse | None = None
+        self.first_response: worker_pb2.PrefillResponse | None = None
         self.abort_reason = ""
         self.failure: Failure | None = None
         self.first_output_at: float | None = None
@@ -82,6 +86,10 @@ class PrefillJob(Tracked):
         elif length:
             response.finish_reason = common_pb2.FINISH_REASON_LENGTH
         else:
+            first = worker_pb2.PrefillResponse()
+            first.CopyFrom(response)
+            self.first_response = first
+            self.first.set()                  # PrefillStream sends the first token now, the handle after the export
             export = self.service.exporter.export(self.prompt, self.hashes, self.fingerprint, self.ttl_s,
                                                   self.request.freed_block_ids)
             response.kv.CopyFrom(export.handle)
@@ -89,6 +97,8 @@ class PrefillJob(Tracked):
             response.timings.store_ms = ms(self.store_s)
         self.response = response
         if ends_here:
+            self.first_response = response
+            self.first.set()
             # NOTE: the answer leaves first and the blocks are written after it, still on this thread before any
             # later step can reuse them (a 2,000-token prompt's write took ~12 ms of its TTFT when it went first).
             # The write counts as pending meanwhile, so a caller waiting for the store to settle waits for it.
@@ -111,10 +121,12 @@ class PrefillJob(Tracked):
 
     def on_abort(self, reason: str) -> None:
         self.abort_reason = reason
+        self.first.set()
         self.done.set()
 
     def on_fail(self, failure: Failure) -> None:
         self.failure = failure
+        self.first.set()
         self.done.set()
 
 
@@ -130,6 +142,56 @@ class PrefillService(WorkerBase):
         self.exporter = KvExporter(self.bundle, self.store, self.agent, self.pool, self.leases, self.worker_id)
 
     def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.ServicerContext):
+        job = self._job(request, context)
+        try:
+            admitted = self._admit(job, context, request)
+            if not self._wait(job, context, job.done):
+                return worker_pb2.PrefillResponse()
+            self._check(job, context)
+            if job.response is None:  # its client aborted it
+                return self._aborted(job)
+            self._release_if_gone(job.response, context)
+            self._fill_timings(job, job.response.timings, admitted)
+            return job.response
+        finally:
+            self.unclaim(request.request_id)
+
+    def PrefillStream(self, request: worker_pb2.PrefillRequest, context: grpc.ServicerContext):
+        """Prefill, the first token first: the hand-off's export (pinning, encoding and storing the blocks) runs
+        while the router already forwards the token."""
+        job = self._job(request, context)
+        try:
+            admitted = self._admit(job, context, request)
+            if not self._wait(job, context, job.first):
+                return
+            self._check(job, context)
+            if job.first_response is None:
+                yield self._aborted(job)
+                return
+            first = worker_pb2.PrefillResponse()
+            first.CopyFrom(job.first_response)
+            first.ClearField("kv")
+            self._fill_timings(job, first.timings, admitted)
+            yield first
+            if first.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                return
+            if not self._wait(job, context, job.done):
+                return
+            self._check(job, context)
+            if job.response is None:  # aborted during the export: no handle
+                yield self._aborted(job)
+                return
+            self._release_if_gone(job.response, context)
+            handoff = worker_pb2.PrefillResponse(request_id=job.request_id, worker_id=self.worker_id,
+                                                 cached_tokens=first.cached_tokens)
+            handoff.kv.CopyFrom(job.response.kv)
+            handoff.timings.store_ms = job.response.timings.store_ms
+            yield handoff
+        finally:
+            self.unclaim(request.request_id)
+
+    def _job(self, request: worker_pb2.PrefillRequest, context: grpc.ServicerContext) -> PrefillJob:
+        """The request checked and claimed (call `unclaim` when done)."""
         # NOTE: as the router and peers reach this worker, not a wildcard bind (the decode worker sends ReleaseKv there)
         self.exporter.worker_address = advertised(self.address, self.config.advertise_host or self.config.host)
         try:
@@ -142,14 +204,12 @@ class PrefillService(WorkerBase):
         ttl_s = request.lease_ms / 1000.0 if request.lease_ms else self.config.lease_ttl_s
         job = PrefillJob(self, request.request_id, prompt, hashes, fingerprint, params, ttl_s)
         self.claim(request.request_id, job, context)
-        try:
-            return self._run(job, context, request)
-        finally:
-            self.unclaim(request.request_id)
+        return job
 
-    def _run(self, job: PrefillJob, context: grpc.ServicerContext,
-             plan: worker_pb2.PrefillRequest) -> worker_pb2.PrefillResponse:
-        """`plan`: the request, for the router's plan of the cached prefix (`load_prefix`)."""
+    def _admit(self, job: PrefillJob, context: grpc.ServicerContext,
+               plan: worker_pb2.PrefillRequest) -> tuple[Any, Any, ChunkInstaller, float]:
+        """Load the cached prefix and admit the request on the engine thread; (loaded, installed, chunks, load_s)
+        for the timings. `plan`: the request, for the router's plan of the cached prefix (`load_prefix`)."""
         started = time.perf_counter()
         cacheable = job.hashes[:cacheable_blocks(len(job.prompt), self.bundle.block_size)]
         chunks = ChunkInstaller(self.loop, cacheable, job.prompt)  # installs while later blocks are read
@@ -171,23 +231,34 @@ class PrefillService(WorkerBase):
             chunks.finish()
             loaded.release()  # admission ran on the engine thread and copied the payloads into the cache
         context.add_callback(lambda: self.loop.abort(job.request_id, "client cancelled"))
-        while not job.done.wait(_WAIT_S):
+        return loaded, installed, chunks, load_s
+
+    def _wait(self, job: PrefillJob, context: grpc.ServicerContext, event: threading.Event) -> bool:
+        """Until `event`; False (the request aborted) when the client went away first."""
+        while not event.wait(_WAIT_S):
             if not context.is_active():
                 self.loop.abort(job.request_id, "client gone")  # NOTE: idempotent with the cancel callback
-                return worker_pb2.PrefillResponse()
+                return False
+        return True
+
+    def _check(self, job: PrefillJob, context: grpc.ServicerContext) -> None:
         if job.failure is not None:
             self.fail_call(context, job.failure)
-        if job.response is None:  # its client aborted it
-            return worker_pb2.PrefillResponse(request_id=job.request_id, worker_id=self.worker_id,
-                                              finish_reason=common_pb2.FINISH_REASON_ABORT)
-        if job.response.kv.lease_id and not context.is_active():
-            self.leases.release(job.response.kv.lease_id)  # nobody will read it: do not wait for the TTL
-        timings = job.response.timings
+
+    def _aborted(self, job: PrefillJob) -> worker_pb2.PrefillResponse:
+        return worker_pb2.PrefillResponse(request_id=job.request_id, worker_id=self.worker_id,
+                                          finish_reason=common_pb2.FINISH_REASON_ABORT)
+
+    def _release_if_gone(self, response: worker_pb2.PrefillResponse, context: grpc.ServicerContext) -> None:
+        if response.kv.lease_id and not context.is_active():
+            self.leases.release(response.kv.lease_id)  # nobody will read it: do not wait for the TTL
+
+    def _fill_timings(self, job: PrefillJob, timings: common_pb2.Timings, admitted: tuple) -> None:
+        loaded, installed, chunks, load_s = admitted
         scheduled = job.scheduled_at or job.arrived_at
         timings.queue_ms = ms(scheduled - job.arrived_at)
         timings.prefill_ms = ms(load_s + (job.first_output_at or scheduled) - scheduled)
         fill_load_timings(timings, loaded, installed, chunks.install_s())
-        return job.response
 
     def ReleaseKv(self, request: worker_pb2.ReleaseKvRequest, context) -> worker_pb2.ReleaseKvResponse:
         return worker_pb2.ReleaseKvResponse(released=self.leases.release(request.lease_id))

@@ -111,6 +111,7 @@ class Dispatcher:
         self._lock = threading.Lock()
         self._seq = 0
         self._warned_namespace: set[str] = set()
+        self.unary_prefill: set[str] = set()     # worker addresses that answered PrefillStream UNIMPLEMENTED
         self._draining = False
         self._idle = threading.Condition(self._lock)
 

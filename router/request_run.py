@@ -1,6 +1,6 @@
 """One request's run through the workers (DESIGN §2 steps 3-5), streamed back as `GenerateResponse`s.
 
-    disaggregated:  Prefill(p) ─first token─> client;  Decode(d, KvHandle) ─tokens─> client
+    disaggregated:  PrefillStream(p) ─first token─> client, then its KvHandle;  Decode(d, KvHandle) ─tokens─> client
     local:          Generate(d) ─tokens─> client                          (conditional disaggregation)
 
 A step that fails (worker gone, UNAVAILABLE, RESOURCE_EXHAUSTED, INTERNAL) is retried on another worker; when no
@@ -208,31 +208,45 @@ class RequestRun:
 
     def _disaggregated(self, decision: RouteDecision) -> Iterator[strata_pb2.GenerateResponse]:
         p, d = decision.prefill_worker, decision.decode_worker
-        first = self._prefill(decision)
-        if first.finish_reason == common_pb2.FINISH_REASON_ABORT:
-            yield self._final(common_pb2.FINISH_REASON_ABORT, common_pb2.Usage(prompt_tokens=len(self.prompt)))
-            return
-        chunk = self._chunk([first.first_token_id], first.first_text_delta,
-                            [first.first_logprobs] if first.HasField("first_logprobs") else (), first.prompt_logprobs)
-        if first.finish_reason != UNSET:
-            chunk.finish_reason = first.finish_reason
-            chunk.usage.CopyFrom(common_pb2.Usage(prompt_tokens=len(self.prompt), completion_tokens=1,
-                                                  cached_tokens=first.cached_tokens))
-            _copy_stop(first, chunk)
-            self._metrics(chunk, p, d, True, first.timings, None)
-            yield chunk
-            return
-        yield chunk
+        answers = self._prefill(decision)
+        try:
+            first = next(answers)
+            if first.finish_reason == common_pb2.FINISH_REASON_ABORT:
+                yield self._final(common_pb2.FINISH_REASON_ABORT, common_pb2.Usage(prompt_tokens=len(self.prompt)))
+                return
+            chunk = self._chunk([first.first_token_id], first.first_text_delta,
+                                [first.first_logprobs] if first.HasField("first_logprobs") else (),
+                                first.prompt_logprobs)
+            if first.finish_reason != UNSET:
+                chunk.finish_reason = first.finish_reason
+                chunk.usage.CopyFrom(common_pb2.Usage(prompt_tokens=len(self.prompt), completion_tokens=1,
+                                                      cached_tokens=first.cached_tokens))
+                _copy_stop(first, chunk)
+                self._metrics(chunk, p, d, True, first.timings, None)
+                yield chunk
+                return
+            yield chunk                       # the first token leaves before the hand-off is ready
+            handoff = next(answers, None)
+        finally:
+            answers.close()                   # the prefill call is over: its worker's backlog ends here
+        if handoff is None or handoff.finish_reason == common_pb2.FINISH_REASON_ABORT:
+            self._check_stopped()
+            raise StepFailed(p, grpc.StatusCode.UNAVAILABLE, "PrefillStream ended without the KV handle")
+        timings = common_pb2.Timings()
+        timings.CopyFrom(first.timings)
+        timings.store_ms = handoff.timings.store_ms
         request = worker_pb2.DecodeRequest(
             request_id=self.request_id, token_ids=self.prompt, first_token_id=first.first_token_id,
-            kv=self._own_handle(p, first.kv),
+            kv=self._own_handle(p, handoff.kv),
             sampling=self.sampling, cache_salt=self.salt, skip_text=self.params.skip_text,
             cached_tokens=first.cached_tokens)
-        yield from self._stream(d, "Decode", request, prefill=(p, first.timings), work_s=self._decode_work_s())
+        yield from self._stream(d, "Decode", request, prefill=(p, timings), work_s=self._decode_work_s())
 
-    def _prefill(self, decision: RouteDecision) -> worker_pb2.PrefillResponse:
+    def _prefill(self, decision: RouteDecision) -> Iterator[worker_pb2.PrefillResponse]:
         """Prefill on the decision's prefill worker, charging it the plan's work (fetch + prefill: its own seconds,
-        not the queue wait) and passing the plan's cap on store reads."""
+        not the queue wait) and passing the plan's cap on store reads. Yields the first token's answer, then
+        (unless that ends the request) the one with the KV handle: `PrefillStream`'s two messages, or `Prefill`'s
+        one answer twice for a worker without it."""
         p = decision.prefill_worker
         address = self.d.address_of(p)
         request = worker_pb2.PrefillRequest(request_id=self.request_id, token_ids=self.prompt, sampling=self.sampling,
@@ -240,18 +254,48 @@ class RequestRun:
                                             decode_worker_id=decision.decode_worker,
                                             max_load_blocks=decision.max_load_blocks,
                                             expected_cached_blocks=self._expected_blocks(decision))
+        stub = self.d.channels.stub(address)
         self.d.registry.begin(p, decision.work_s, prefill_s=decision.work_s)
+        call, done = None, False
         try:
-            future = self.d.channels.stub(address).Prefill.future(request, timeout=self._remaining())
+            if address not in self.d.unary_prefill:
+                call = stub.PrefillStream(request, timeout=self._remaining())
+                self._attach(call, p, address)
+                try:
+                    first = next(call, None)
+                except grpc.RpcError as exc:
+                    if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                        raise
+                    self.d.unary_prefill.add(address)      # an older worker: Prefill from now on
+                    call = None
+                else:
+                    if first is None:
+                        self._check_stopped()
+                        raise StepFailed(p, grpc.StatusCode.UNAVAILABLE, "PrefillStream ended without an answer")
+                    done = first.finish_reason != UNSET      # the stream's last answer
+                    yield first
+                    if done:
+                        return
+                    handoff = next(call, None)
+                    done = True
+                    if handoff is not None:
+                        self.d.check_namespace(p, handoff.kv, self.salt, self.model)
+                        yield handoff
+                    return
+            future = stub.Prefill.future(request, timeout=self._remaining())
             self._attach(future, p, address)
             response = future.result()
+            done = True
+            self.d.check_namespace(p, response.kv, self.salt, self.model)
+            yield response
+            yield response
         except grpc.RpcError as exc:
             raise self._translate(exc, p) from None
         finally:
+            if call is not None and not done:
+                call.cancel()   # the consumer stopped early (client gone) or the step failed: free the worker
             self._detach()
             self.d.registry.end(p)
-        self.d.check_namespace(p, response.kv, self.salt, self.model)
-        return response
 
     def _own_handle(self, worker_id: str, kv: common_pb2.KvHandle) -> common_pb2.KvHandle:
         """The handle as the decode worker may use it: its blocks must be the prefill worker's own, and ReleaseKv

@@ -184,6 +184,17 @@ class EPFront(worker_pb2_grpc.WorkerServicer):
                 self._remember_lease(response.kv.lease_id, rank)
             return response
 
+    def PrefillStream(self, request: worker_pb2.PrefillRequest, context) -> Iterator[worker_pb2.PrefillResponse]:
+        with self._placed(request.request_id, request.token_ids, context, request.cache_salt) as rank:
+            answers = self.local.PrefillStream(request, context) if rank == 0 else \
+                self._forward_stream(rank, "PrefillStream", request, context)
+            for response in answers:
+                if response.kv.lease_id:
+                    if rank:
+                        response.kv.lease_worker_address = self.local.address  # ReleaseKv comes through the front
+                    self._remember_lease(response.kv.lease_id, rank)
+                yield response
+
     def Decode(self, request: worker_pb2.DecodeRequest, context) -> Iterator[worker_pb2.TokenChunk]:
         yield from self._stream("Decode", request, context)
 

@@ -113,6 +113,9 @@ class WorkerBase(worker_pb2_grpc.WorkerServicer):
     def Prefill(self, request, context):
         context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.worker_id} is a {self.config.role} worker: no Prefill")
 
+    def PrefillStream(self, request, context):
+        context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.worker_id} is a {self.config.role} worker: no Prefill")
+
     def Decode(self, request, context):
         context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.worker_id} is a {self.config.role} worker: no Decode")
 

@@ -41,6 +41,11 @@ class WorkerStub:
                 request_serializer=strata_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=strata_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.PrefillStream = channel.unary_stream(
+                '/strata.v1.Worker/PrefillStream',
+                request_serializer=strata_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=strata_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
+                _registered_method=True)
         self.Decode = channel.unary_stream(
                 '/strata.v1.Worker/Decode',
                 request_serializer=strata_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
@@ -90,6 +95,16 @@ class WorkerServicer:
     def Prefill(self, request, context):
         """Prefill role: computes the prompt (reusing every block any tier holds), samples the first token, writes the
         new full blocks to the store and answers with a KvHandle whose blocks stay pinned under a lease.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PrefillStream(self, request, context):
+        """Prefill role, streamed: the first PrefillResponse carries the first token (every field but kv and
+        timings.store_ms) as soon as it is sampled; when it does not end the request, a second one follows with the kv
+        handle and timings.store_ms once the blocks are written and pinned. The router sends the first token to its
+        client before the hand-off is ready. Same errors as Prefill; one after the first message means the KV is lost.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -160,6 +175,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     request_deserializer=strata_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
                     response_serializer=strata_dot_v1_dot_worker__pb2.PrefillResponse.SerializeToString,
             ),
+            'PrefillStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.PrefillStream,
+                    request_deserializer=strata_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
+                    response_serializer=strata_dot_v1_dot_worker__pb2.PrefillResponse.SerializeToString,
+            ),
             'Decode': grpc.unary_stream_rpc_method_handler(
                     servicer.Decode,
                     request_deserializer=strata_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
@@ -227,6 +247,33 @@ class Worker:
             request,
             target,
             '/strata.v1.Worker/Prefill',
+            strata_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
+            strata_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefillStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/strata.v1.Worker/PrefillStream',
             strata_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
             strata_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
             options,

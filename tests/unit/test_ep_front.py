@@ -59,6 +59,14 @@ class ScriptedRank(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.PrefillResponse(request_id=request.request_id, first_token_id=7, worker_id=self.worker_id,
                                           kv=common_pb2.KvHandle(lease_id=lease, lease_worker_address=self.address))
 
+    def PrefillStream(self, request, context):
+        self.calls.append(("PrefillStream", request.request_id))
+        yield worker_pb2.PrefillResponse(request_id=request.request_id, first_token_id=7, worker_id=self.worker_id)
+        lease = f"{self.worker_id}/{request.request_id}"
+        self.leases.add(lease)
+        yield worker_pb2.PrefillResponse(request_id=request.request_id, worker_id=self.worker_id,
+                                         kv=common_pb2.KvHandle(lease_id=lease, lease_worker_address=self.address))
+
     def ReleaseKv(self, request, context):
         self.calls.append(("ReleaseKv", request.lease_id))
         released = request.lease_id in self.leases
@@ -243,6 +251,17 @@ def test_a_forwarded_lease_names_the_front_and_is_released_on_its_rank(group):
     assert [c for r in group.ranks for c in r.calls if c[0] == "ReleaseKv"] == [("ReleaseKv", "w-rank2/p")]
     assert not group.stub.ReleaseKv(release, timeout=5).released   # unknown now: every rank is asked
     assert sum(c[0] == "ReleaseKv" for r in group.ranks for c in r.calls) == 1 + WORLD
+
+
+def test_a_streamed_prefill_comes_through_the_front_with_its_lease_named_there(group):
+    """PrefillStream: the first token, then the handle, both from the rank; the handle's ReleaseKv address is the
+    front's, and the lease is released on its rank."""
+    first, handoff = group.stub.PrefillStream(
+        worker_pb2.PrefillRequest(request_id="s", token_ids=prompt_for(group.front, 1)), timeout=5)
+    assert (first.first_token_id, first.kv.lease_id, handoff.worker_id) == (7, "", "w-rank1")
+    assert handoff.kv.lease_worker_address == group.ranks[0].address
+    assert group.stub.ReleaseKv(worker_pb2.ReleaseKvRequest(lease_id=handoff.kv.lease_id), timeout=5).released
+    assert ("ReleaseKv", "w-rank1/s") in group.ranks[1].calls
 
 
 def test_abort_goes_to_the_rank_running_the_request_else_to_every_rank(group):

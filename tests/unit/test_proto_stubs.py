@@ -94,7 +94,7 @@ def test_generation_is_reproducible(tmp_path):
 @pytest.mark.parametrize("pb2, service, methods", [
     (strata_pb2, "Strata", {"Generate", "Abort", "ListModels", "GetCacheStats", "ListWorkers", "EvictCache",
                             "FlushCache"}),
-    (worker_pb2, "Worker", {"Prefill", "Decode", "Generate", "ReleaseKv", "Abort", "Health", "Stats",
+    (worker_pb2, "Worker", {"Prefill", "PrefillStream", "Decode", "Generate", "ReleaseKv", "Abort", "Health", "Stats",
                             "EvictCache", "FlushCache"}),
     (router_pb2, "Registry", {"RegisterWorker", "Heartbeat", "Drain", "Deregister"}),
 ])
