@@ -16,7 +16,7 @@ host, a read of the same bytes from files for disk, one pipelined GET for Redis,
 
     python benchmarks/ttft_tiers.py                        # 3 rounds, 1,984 cached + 63 new tokens
     python benchmarks/ttft_tiers.py --rounds 5 --plot ttft_tiers.png
-    python benchmarks/ttft_tiers.py --max-tokens 4         # the request goes on: its KV is handed to decode
+    python benchmarks/ttft_tiers.py --new-tokens 60 --max-tokens 4   # the request goes on: its KV goes to decode
     python benchmarks/ttft_tiers.py --quick --json         # CI smoke run
 """
 from __future__ import annotations
