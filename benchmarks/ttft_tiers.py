@@ -11,8 +11,9 @@ configured.
 
 Conditions run in a different order each round (interleaved); the table shows medians, `cold ÷ this`, and the
 onboarding breakdown the serving worker reports (lookup, read, verify, install, then the computation of the new
-tokens, and the serving path around it: router, RPCs, queue, each shown apart below the table), next to the bound: the prefix's bytes ÷ the tier's raw read bandwidth measured in this run (a memcpy for
-host, a read of the same bytes from files for disk, one pipelined GET for Redis, one GET of one object for S3).
+tokens, and the serving path around it: router, RPCs, queue, each shown apart below the table), next to the bound:
+the prefix's bytes ÷ the tier's raw read bandwidth measured in this run (a memcpy for host, a read of the same
+bytes from files for disk, one pipelined GET for Redis, one GET of one object for S3).
 
     python benchmarks/ttft_tiers.py                        # 3 rounds, 1,984 cached + 63 new tokens
     python benchmarks/ttft_tiers.py --rounds 5 --plot ttft_tiers.png

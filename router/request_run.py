@@ -1,6 +1,6 @@
 """One request's run through the workers (DESIGN §2 steps 3-5), streamed back as `GenerateResponse`s.
 
-    disaggregated:  PrefillStream(p) ─first token─> client, then its KvHandle;  Decode(d, KvHandle) ─tokens─> client
+    disaggregated:  PrefillStream(p) ─first token─> client, then KvHandle;  Decode(d, KvHandle) ─tokens─> client
     local:          Generate(d) ─tokens─> client                          (conditional disaggregation)
 
 A step that fails (worker gone, UNAVAILABLE, RESOURCE_EXHAUSTED, INTERNAL) is retried on another worker; when no
