@@ -1,18 +1,26 @@
 """PrefillStream on a real prefill worker service (in this process, over a real gRPC socket): the first token is
 answered before the KV hand-off is exported, and the handle follows; a request that ends at its first token gets
-one answer; the streamed answers carry what Prefill's one answer does."""
+one answer; the streamed answers carry what Prefill's one answer does. And a real router process in front of a
+worker without PrefillStream (an older one) falls back to Prefill."""
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
+import time
 
 import grpc
 import pytest
 
+from decode_worker.service import DecodeService
 from engine.sampling_params import SamplingParams
 from prefill_worker.service import PrefillService
+from strata.client import StrataClient
+from strata.paths import REPO_ROOT
 from strata.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from worker_common.config import WorkerConfig
 from worker_common.convert import sampling_to_proto
+from worker_common.engine_setup import build_engine_from
 from worker_common.server import serve
 
 PROMPT = list(range(3, 60))          # 57 tokens: 3 full blocks of 16 and a tail
@@ -88,3 +96,56 @@ def test_a_bad_request_is_refused_before_any_answer(worker):
     with pytest.raises(grpc.RpcError) as info:
         list(stub.PrefillStream(bad, timeout=60))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+class OlderPrefillService(PrefillService):
+    """A prefill worker from before PrefillStream: the generated servicer's UNIMPLEMENTED answers it."""
+
+    unary_calls = stream_calls = 0
+
+    def PrefillStream(self, request, context):
+        self.stream_calls += 1
+        return worker_pb2_grpc.WorkerServicer.PrefillStream(self, request, context)
+
+    def Prefill(self, request, context):
+        self.unary_calls += 1
+        return super().Prefill(request, context)
+
+
+@pytest.fixture
+def router_over_an_older_prefill_worker(tiny_checkpoint):
+    ckpt = str(tiny_checkpoint("llama").path)
+    common = dict(model=ckpt, num_blocks=64, enforce_eager=True, handoff_bytes=8 << 20, host_tier_bytes=8 << 20)
+    prefill = OlderPrefillService(WorkerConfig(role="prefill", **common))
+    decode = DecodeService(WorkerConfig(role="decode", **common))
+    servers = [serve(prefill), serve(decode)]
+    router = subprocess.Popen([sys.executable, "-m", "router", "--model", ckpt, "--grpc-port", "0", "--http-port",
+                               "-1", "--local-prefill-max-tokens", "0", "--worker", prefill.address, "--worker",
+                               decode.address], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        line = router.stdout.readline()
+        assert line.startswith("READY "), line
+        address = dict(field.split("=", 1) for field in line.split()[1:])["grpc"]
+        yield prefill, ckpt, address
+    finally:
+        router.terminate()
+        router.wait(timeout=30)
+        for server in servers:
+            server.stop(grace=None)
+        decode.close()
+        prefill.close()
+
+
+def test_the_router_falls_back_to_prefill_on_a_worker_without_prefill_stream(router_over_an_older_prefill_worker):
+    prefill, ckpt, address = router_over_an_older_prefill_worker
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    want = build_engine_from(ckpt, num_blocks=64).engine.generate([PROMPT], params)[0].token_ids
+    with StrataClient(address, timeout_s=60) as client:
+        deadline = time.monotonic() + 60
+        while len(client.workers()) < 2:           # the router probes both workers before it routes
+            assert time.monotonic() < deadline, "the router never saw both workers"
+            time.sleep(0.1)
+        for i in range(2):
+            out = client.generate(PROMPT, max_tokens=6, ignore_eos=True, include_metrics=True)
+            assert out.token_ids == want and out.metrics.disaggregated
+    assert (prefill.stream_calls, prefill.unary_calls) == (1, 2)   # the first UNIMPLEMENTED is remembered
