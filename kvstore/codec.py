@@ -18,6 +18,7 @@ never wrong KV. No pickle: the header is a fixed little-endian struct and the se
 """
 from __future__ import annotations
 
+import functools
 import struct
 import sys
 from array import array
@@ -231,7 +232,7 @@ def peek_header(buf: bytes | memoryview) -> BlockHeader:
     if flags & ~(FLAG_TOKENS | FLAG_PARENT):
         raise CorruptBlock("flags", f"unknown flags {flags:#x}")
     try:
-        layout = BlockLayout(layers, block_size, heads, head_dim, layout_id)
+        layout = _layout(layers, block_size, heads, head_dim, layout_id)
     except ValueError as exc:
         raise CorruptBlock("layout", str(exc)) from None
     return BlockHeader(bytes(fingerprint), bytes(block_hash), bytes(parent) if flags & FLAG_PARENT else None,
@@ -273,10 +274,24 @@ def read_tokens(buf: bytes | memoryview, header: BlockHeader) -> list[int]:
     return list(memoryview(buf)[HEADER_SIZE:HEADER_SIZE + header.tokens_len].cast("I"))
 
 
+@functools.lru_cache(maxsize=64)
+def _layout(layers: int, block_size: int, heads: int, head_dim: int, layout_id: int) -> BlockLayout:
+    """The header's layout, checked once per distinct one (a worker reads one or two): decoding a block is ~6 us of
+    Python, and a prefix is hundreds of blocks. Raises ValueError as BlockLayout does (not cached)."""
+    return BlockLayout(layers, block_size, heads, head_dim, layout_id)
+
+
+@functools.lru_cache(maxsize=64)
+def _section_bytes(layout: BlockLayout, dtype: str) -> tuple[int, int]:
+    """(payload bytes, scale bytes) of a block of `layout` in `dtype`."""
+    return layout.payload_bytes(dtype), layout.scale_bytes(dtype)
+
+
 def _check_lengths(header: BlockHeader, available: int) -> None:
-    if header.payload_len != header.layout.payload_bytes(header.dtype):
+    payload_bytes, scale_bytes = _section_bytes(header.layout, header.dtype)
+    if header.payload_len != payload_bytes:
         raise CorruptBlock("length", f"payload length {header.payload_len} does not fit layout {header.layout}")
-    if header.scales_len != header.layout.scale_bytes(header.dtype):
+    if header.scales_len != scale_bytes:
         raise CorruptBlock("length", f"scales length {header.scales_len} does not fit layout {header.layout} in "
                                      f"{header.dtype} ({header.layout.scale_bytes(header.dtype)} bytes)")
     if header.num_tokens > header.layout.block_size:

@@ -96,12 +96,14 @@ def install_blocks(bundle: EngineBundle, hashes: Sequence[bytes], payloads: Sequ
     pinned: list[int] = []
     write_ids: list[int] = []
     write_at: list[int] = []  # which items of `payloads` the written blocks come from
-    for i, payload in enumerate(payloads):
+    # NOTE: staged payloads say which items they hold without making a view of each (~4 us a block)
+    present = getattr(payloads, "present", None) or (lambda i: payloads[i] is not None)
+    for i in range(len(payloads)):
         block_hash = hashes[start + i]
         block_id = pool.lookup(block_hash)
         if block_id is not None:
             pool.touch([block_id])
-        elif payload is None or pool.num_free_blocks == 0:
+        elif not present(i) or pool.num_free_blocks == 0:
             break
         else:
             block_id = pool.allocate()  # NOTE: pinned blocks have ref > 0, so this never evicts one of them

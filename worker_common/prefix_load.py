@@ -63,6 +63,10 @@ class StagedPayloads(Sequence):
     def __iter__(self) -> Iterator[memoryview | None]:
         return (self[i] for i in range(len(self)))
 
+    def present(self, i: int) -> bool:
+        """Whether item i (0 <= i < len) is a payload, not one of the `lead` Nones: `self[i] is not None`, cheaply."""
+        return i >= self._lead
+
     def _rows(self) -> torch.Tensor:
         size = self._bundle.span_bytes
         return self._staging[:self._count, self._offset:self._offset + size]  # uint8 [count, span_bytes]
