@@ -25,7 +25,11 @@ part() {
 nvidia-smi -L 2>&1 | head -4
 "$PY" -c "import torch, triton, transformers; print('torch', torch.__version__, '| triton', triton.__version__, \
 '| transformers', transformers.__version__, '| cuda', torch.cuda.is_available() and torch.cuda.get_device_name())"
-part tests "${TESTS_S:-220}" "$PY" -m pytest -m gpu tests/gpu -q -p no:cacheprovider -rfEs --timeout 150
+# NOTE: one process ran 26 of the 46 tests in 210 s on an H200 (compiles are CPU-bound): with pytest-xdist (in the
+# image there), the files run side by side, each file's tests in one process (its module fixtures built once).
+XDIST=()
+"$PY" -c "import xdist" 2>/dev/null && XDIST=(-n "${TEST_PROCS:-4}" --dist loadfile)
+part tests "${TESTS_S:-220}" "$PY" -m pytest -m gpu tests/gpu -q -p no:cacheprovider -rfEs --timeout 150 "${XDIST[@]}"
 part kernels "${KERNELS_S:-80}" "$PY" benchmarks/gpu_kernels.py --json
 part engine "${ENGINE_S:-170}" "$PY" benchmarks/engine_throughput.py --device cuda --dtype bfloat16 \
   --concurrency 1,32 --rounds 3 --json
