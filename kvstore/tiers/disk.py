@@ -3,8 +3,9 @@
     <path>/<first two hex digits of the hash>/<hash hex>.kvb      a stored block (codec bytes)
     <path>/<shard>/.<hash hex>.<random>.tmp                       a write in progress (removed on restart)
 
-A block becomes visible only by `os.replace` of a complete temp file, so no torn block is ever readable. Reads and
-writes of a batch run in a small thread pool. A full disk (ENOSPC, EFBIG, EDQUOT) is a counted error that marks the
+A block becomes visible only by `os.replace` of a complete temp file, so no torn block is ever readable. A batch
+is read from the page cache first, one block after another (`RWF_NOWAIT`: a read that would wait for the device
+returns at once), and the blocks it lacks in a small thread pool, as are writes. A full disk (ENOSPC, EFBIG, EDQUOT) is a counted error that marks the
 tier unhealthy; reads keep working.
 """
 from __future__ import annotations
@@ -23,6 +24,8 @@ from kvstore.tiers.base import Tier, TierStats, register_tier
 
 _SUFFIX, _TMP_SUFFIX = ".kvb", ".tmp"
 _FULL_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+_NOWAIT = getattr(os, "RWF_NOWAIT", 0)   # Linux 4.14+; 0: every read goes to the pool
+_COLD = object()                         # a block the page cache does not hold (all of it)
 
 
 @register_tier("disk")
@@ -47,6 +50,8 @@ class DiskTier(Tier):
         self._used = 0
         self._touched: dict[bytes, float] = {}  # key -> when this process last refreshed the file's mtime
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="strata-disk")
+        self._nowait = _NOWAIT
+        self.reads_cached = self.reads_waited = 0   # blocks read from the page cache / through the pool
         self._tmp_ids = itertools.count()
         for shard in range(256):  # once, so a write never has to create its directory
             os.makedirs(os.path.join(path, f"{shard:02x}"), exist_ok=True)
@@ -111,13 +116,28 @@ class DiskTier(Tier):
             if sizes[i] > len(bufs[i]):
                 raise ValueError(f"buffer holds {len(bufs[i])} bytes, block {keys[i].hex()} needs {sizes[i]}")
         out: list[int | None] = [None] * len(keys)
-        for i, n in zip(hit_at, self._run(self._read_one, [(keys[i], bufs[i], sizes[i]) for i in hit_at])):
+        # NOTE: page-cache hits in one thread, then the rest in the pool: 124 cached 64 KiB blocks took 1.5-1.9 ms
+        # read one after another, 2.9-4.6 ms through the pool (thread hand-offs), and a cold read would block
+        cold = hit_at
+        if self._nowait:
+            cold = []
+            for i in hit_at:
+                n = self._read_one(keys[i], bufs[i], sizes[i], nowait=True)
+                if n is _COLD:
+                    cold.append(i)
+                else:
+                    out[i] = n
+        for i, n in zip(cold, self._run(self._read_one, [(keys[i], bufs[i], sizes[i]) for i in cold])):
             out[i] = n
+        with self._lock:
+            self.reads_cached += len(hit_at) - len(cold)
+            self.reads_waited += len(cold)
         hits = sum(n is not None for n in out)
         self._observe("get", started, hits=hits, misses=len(out) - hits, bytes_read=sum(n or 0 for n in out))
         return out
 
-    def _read_one(self, key: bytes, buf: memoryview, size: int) -> int | None:
+    def _read_one(self, key: bytes, buf: memoryview, size: int, nowait: bool = False):
+        """Bytes read into `buf`, None for a miss; with `nowait`, `_COLD` when the page cache lacks some of it."""
         try:
             fd = os.open(self._file(key), os.O_RDONLY)
         except FileNotFoundError:  # removed behind our back: a miss
@@ -126,7 +146,20 @@ class DiskTier(Tier):
         except OSError as exc:
             raise self._failed("read", exc) from exc
         try:
-            n = os.preadv(fd, [memoryview(buf)[:size]], 0)
+            if nowait:
+                try:
+                    n = os.preadv(fd, [memoryview(buf)[:size]], 0, self._nowait)
+                except BlockingIOError:
+                    return _COLD
+                except OSError as exc:
+                    if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                        raise
+                    self._nowait = 0        # this filesystem cannot: every read waits from now on
+                    return _COLD
+                if n < size:                # partly cached: the rest would wait
+                    return _COLD
+            else:
+                n = os.preadv(fd, [memoryview(buf)[:size]], 0)
             now = time.monotonic()
             if now - self._touched.get(key, float("-inf")) >= self.touch_interval_s:
                 os.utime(fd)  # a metadata write: only now and then, it only orders the LRU after a restart

@@ -233,3 +233,27 @@ def test_full_tmpfs_gives_enospc_counted_and_reads_continue(tiny_tmpfs):
     tier.delete(hashes[:10])  # room again: the next write succeeds and the tier is healthy
     assert tier.put([(hashes[-1], blocks[-1])]) == [True] and tier.stats().healthy
     tier.close()
+
+
+@pytest.mark.skipif(not getattr(os, "RWF_NOWAIT", 0), reason="RWF_NOWAIT is Linux's")
+def test_cached_blocks_are_read_at_once_and_evicted_ones_through_the_pool_with_the_same_bytes(tmp_path):
+    """A batch is read from the page cache first (RWF_NOWAIT); a block the cache dropped (posix_fadvise
+    DONTNEED after fsync) goes to the pool. Either way the bytes are the block's."""
+    tier = DiskTier(str(tmp_path), 1 << 20, fsync=True)
+    try:
+        hashes, blocks = make_blocks(6)
+        assert tier.put(list(zip(hashes, blocks))) == [True] * 6
+        for h in hashes[3:]:                       # out of the page cache: a read of them would wait
+            fd = os.open(tier._file(bytes(h)), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        before = (tier.reads_cached, tier.reads_waited)
+        assert read(tier, hashes) == blocks
+        cached, waited = tier.reads_cached - before[0], tier.reads_waited - before[1]
+        assert cached + waited == 6 and cached >= 3    # the three just written stay cached
+        assert read(tier, hashes) == blocks            # now every one is cached again
+        assert tier.reads_cached - before[0] - cached == 6
+    finally:
+        tier.close()
