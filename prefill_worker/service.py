@@ -43,6 +43,7 @@ from worker_common.text_stream import TextStream, engine_params
 
 log = logging.getLogger(__name__)
 _WAIT_S = 0.1
+_EXPORT_WAIT_S = 10.0   # `_release_late`: longer than any export; past it the lease's TTL frees the blocks
 
 
 class PrefillJob(Tracked):
@@ -146,6 +147,7 @@ class PrefillService(WorkerBase):
         try:
             admitted = self._admit(job, context, request)
             if not self._wait(job, context, job.done):
+                self._release_late(job)
                 return worker_pb2.PrefillResponse()
             self._check(job, context)
             if job.response is None:  # its client aborted it
@@ -176,6 +178,7 @@ class PrefillService(WorkerBase):
             if first.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                 return
             if not self._wait(job, context, job.done):
+                self._release_late(job)
                 return
             self._check(job, context)
             if job.response is None:  # aborted during the export: no handle
@@ -248,6 +251,12 @@ class PrefillService(WorkerBase):
     def _aborted(self, job: PrefillJob) -> worker_pb2.PrefillResponse:
         return worker_pb2.PrefillResponse(request_id=job.request_id, worker_id=self.worker_id,
                                           finish_reason=common_pb2.FINISH_REASON_ABORT)
+
+    def _release_late(self, job: PrefillJob) -> None:
+        """The client went away while the request ran: an export still running grants a lease nobody will read;
+        wait for it (it runs on the engine thread, briefly) and release it rather than hold its blocks a TTL."""
+        if job.done.wait(_EXPORT_WAIT_S) and job.response is not None and job.response.kv.lease_id:
+            self.leases.release(job.response.kv.lease_id)
 
     def _release_if_gone(self, response: worker_pb2.PrefillResponse, context: grpc.ServicerContext) -> None:
         if response.kv.lease_id and not context.is_active():

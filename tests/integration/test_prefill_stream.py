@@ -149,3 +149,34 @@ def test_the_router_falls_back_to_prefill_on_a_worker_without_prefill_stream(rou
             out = client.generate(PROMPT, max_tokens=6, ignore_eos=True, include_metrics=True)
             assert out.token_ids == want and out.metrics.disaggregated
     assert (prefill.stream_calls, prefill.unary_calls) == (1, 2)   # the first UNIMPLEMENTED is remembered
+
+
+def test_a_client_gone_after_the_first_token_leaves_no_lease_behind(worker, monkeypatch):
+    """The router cancels the stream after the first token (its client went away) while the export still runs:
+    the lease that export grants is released at once, not held for its TTL (30 s here)."""
+    service, stub = worker
+    exporting, release, exported = threading.Event(), threading.Event(), threading.Event()
+    export = service.exporter.export
+
+    def held_export(*args, **kwargs):
+        exporting.set()
+        assert release.wait(60), "the test never let the export finish"
+        try:
+            return export(*args, **kwargs)
+        finally:
+            exported.set()
+
+    monkeypatch.setattr(service.exporter, "export", held_export)
+    live, released = service.leases.num_live, service.leases.num_released
+    call = stub.PrefillStream(request("gone"), timeout=60)
+    next(call)
+    assert exporting.wait(10)
+    call.cancel()
+    time.sleep(0.3)                                  # the handler notices the cancel (it polls every 0.1 s)
+    release.set()
+    assert exported.wait(30)                         # the export granted its lease...
+    deadline = time.monotonic() + 20
+    while service.leases.num_released == released:  # ...and the handler released it
+        assert time.monotonic() < deadline, "the export's lease was not released"
+        time.sleep(0.05)
+    assert service.leases.num_live == live
