@@ -229,7 +229,11 @@ class RequestRun:
             handoff = next(answers, None)
         finally:
             answers.close()                   # the prefill call is over: its worker's backlog ends here
-        if handoff is None or handoff.finish_reason == common_pb2.FINISH_REASON_ABORT:
+        if handoff is not None and handoff.finish_reason == common_pb2.FINISH_REASON_ABORT:   # Abort, meanwhile
+            yield self._final(common_pb2.FINISH_REASON_ABORT,
+                              common_pb2.Usage(prompt_tokens=len(self.prompt), completion_tokens=1))
+            return
+        if handoff is None:
             self._check_stopped()
             raise StepFailed(p, grpc.StatusCode.UNAVAILABLE, "PrefillStream ended without the KV handle")
         timings = common_pb2.Timings()
