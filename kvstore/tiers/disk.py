@@ -5,8 +5,8 @@
 
 A block becomes visible only by `os.replace` of a complete temp file, so no torn block is ever readable. A batch
 is read from the page cache first, one block after another (`RWF_NOWAIT`: a read that would wait for the device
-returns at once), and the blocks it lacks in a small thread pool, as are writes. A full disk (ENOSPC, EFBIG, EDQUOT) is a counted error that marks the
-tier unhealthy; reads keep working.
+returns at once), and the blocks it lacks in a small thread pool, as are writes. A full disk (ENOSPC, EFBIG,
+EDQUOT) is a counted error that marks the tier unhealthy; reads keep working.
 """
 from __future__ import annotations
 
