@@ -113,7 +113,10 @@ class Bench:
         compute = max(0.0, t.prefill_ms - t.load_lookup_ms - t.load_read_ms - t.load_verify_ms)
         return {"ttft_ms": ttft * 1e3, **load, "compute": compute,
                 **serving_parts(ttft * 1e3, t),
-                "cached_tokens": last.usage.cached_tokens, "by_tier": dict(t.blocks_by_tier)}
+                "cached_tokens": last.usage.cached_tokens, "by_tier": dict(t.blocks_by_tier),
+                # which worker computed it: the prefill worker (handing off when the request goes on) or the decode
+                # worker by itself (few uncached tokens: the router's conditional disaggregation)
+                "route": "prefill worker" if last.metrics.disaggregated else "decode worker"}
 
 
 def serving_parts(ttft_ms: float, t) -> dict[str, float]:
@@ -184,6 +187,7 @@ def summarize(samples: dict[str, list[dict]]) -> dict[str, dict]:
         med = {key: statistics.median(r[key] for r in runs) for key in ("ttft_ms", *BREAKDOWN, *SERVING_PARTS)}
         med["cached_tokens"] = statistics.median(r["cached_tokens"] for r in runs)
         med["by_tier"] = runs[-1]["by_tier"]
+        med["routes"] = sorted({r["route"] for r in runs})
         med["samples_ms"] = [round(r["ttft_ms"], 1) for r in runs]
         out[condition] = med
     cold = out["cold"]["ttft_ms"]
@@ -196,12 +200,13 @@ def report(summary: dict[str, dict], bound_ms: dict[str, float], bandwidth: dict
     print(f"\nTTFT, {args.prefix_tokens} cached + {args.new_tokens} new tokens, medians of {args.rounds} "
           f"(interleaved); breakdown as the serving worker reports it, ms")
     print(f"{'prefix in':<22} {'TTFT':>8} {'cold÷this':>9} {'cached':>7} " +
-          " ".join(f"{k:>8}" for k in BREAKDOWN) + f" {'bound':>8} {'raw GB/s':>8}  served by")
+          " ".join(f"{k:>8}" for k in BREAKDOWN) + f" {'bound':>8} {'raw GB/s':>8}  served by, on")
     for condition, med in summary.items():
         bound = f"{bound_ms[condition]:8.1f}" if condition in bound_ms else f"{'':>8}"
         bw = f"{bandwidth[condition] / 1e9:8.2f}" if condition in bandwidth else f"{'':>8}"
         print(f"{condition:<22} {med['ttft_ms']:8.1f} {med['cold_over_this']:8.2f}× {med['cached_tokens']:7.0f} " +
-              " ".join(f"{med[k]:8.1f}" for k in BREAKDOWN) + f" {bound}{bw}  {med['by_tier']}")
+              " ".join(f"{med[k]:8.1f}" for k in BREAKDOWN) + f" {bound}{bw}  {med['by_tier']}, "
+              + " and ".join(med["routes"]))
     print("serving, of which: the worker's engine queue, client <-> router (the client's TTFT minus the router's), "
           "and the rest (router -> worker RPC, hashing, admission, the answer's way back), medians, ms")
     for condition, med in summary.items():
