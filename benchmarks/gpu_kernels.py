@@ -95,17 +95,17 @@ def race(sides: dict[str, Fn], rounds: int, reps: int, device: torch.device,
     for fn in sides.values():   # warm-up: compiles the kernels, fills the caches, autotunes
         fn()
     synchronize(device)
-    timed = {name: fn for name, fn in sides.items()}
+    # name -> (what to time, how many times a sample calls it, calls of the side in one of those)
+    timed = {name: (fn, reps, 1) for name, fn in sides.items()}
     if device.type == "cuda":
-        timed.update({f"{name} graph": graphed(fn, reps) for name, fn in sides.items() if name not in eager_only})
+        timed.update({f"{name} graph": (graphed(fn, reps), 1, reps) for name, fn in sides.items()
+                      if name not in eager_only})
     samples: dict[str, list[float]] = {name: [] for name in timed}
     names = list(timed)
     for r in range(rounds):
         for name in names if r % 2 == 0 else names[::-1]:
-            if name.endswith(" graph"):
-                samples[name].append(time_calls(timed[name], 1, device) / reps)
-            else:
-                samples[name].append(time_calls(timed[name], reps, device))
+            fn, calls, per_call = timed[name]
+            samples[name].append(time_calls(fn, calls, device) / per_call)
     medians = {name: statistics.median(values) for name, values in samples.items()}
     eager = {name: medians[name] for name in sides}
     return {name: medians.get(f"{name} graph", eager[name]) for name in sides}, eager

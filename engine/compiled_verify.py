@@ -136,8 +136,7 @@ class CompiledVerify(CompiledDecode):
     def warmup(self, execute: Callable[[StepBatch], torch.Tensor],
                log: Callable[[str], None] | None = None) -> None:
         """Compile and run every bucket (on CUDA at every table width, twice: `warmup_passes`) with n tokens per
-        sequence on scratch
-        slots of block 0 (restored)."""
+        sequence on scratch slots of block 0 (restored)."""
         log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         saved = self.cache.tensor[0].clone()
         start, before = time.perf_counter(), self.compilations

@@ -293,7 +293,7 @@ def _check_lengths(header: BlockHeader, available: int) -> None:
         raise CorruptBlock("length", f"payload length {header.payload_len} does not fit layout {header.layout}")
     if header.scales_len != scale_bytes:
         raise CorruptBlock("length", f"scales length {header.scales_len} does not fit layout {header.layout} in "
-                                     f"{header.dtype} ({header.layout.scale_bytes(header.dtype)} bytes)")
+                                     f"{header.dtype} ({scale_bytes} bytes)")
     if header.num_tokens > header.layout.block_size:
         raise CorruptBlock("length", f"token count {header.num_tokens} exceeds block size")
     if available < header.encoded_len:

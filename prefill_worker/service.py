@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import grpc
 
@@ -44,6 +44,14 @@ from worker_common.text_stream import TextStream, engine_params
 log = logging.getLogger(__name__)
 _WAIT_S = 0.1
 _EXPORT_WAIT_S = 10.0   # `_release_late`: longer than any export; past it the lease's TTL frees the blocks
+
+
+class Admitted(NamedTuple):
+    """A request's prefix load and admission, for its timings."""
+    loaded: Any                 # prefix_load.LoadedPrefix
+    installed: Any              # what `admit` returned
+    chunks: ChunkInstaller
+    load_s: float
 
 
 class PrefillJob(Tracked):
@@ -171,8 +179,7 @@ class PrefillService(WorkerBase):
                 yield self._aborted(job)
                 return
             first = worker_pb2.PrefillResponse()
-            first.CopyFrom(job.first_response)
-            first.ClearField("kv")
+            first.CopyFrom(job.first_response)     # its own copy: a request ending here shares `response`
             self._fill_timings(job, first.timings, admitted)
             yield first
             if first.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
@@ -210,9 +217,9 @@ class PrefillService(WorkerBase):
         return job
 
     def _admit(self, job: PrefillJob, context: grpc.ServicerContext,
-               plan: worker_pb2.PrefillRequest) -> tuple[Any, Any, ChunkInstaller, float]:
-        """Load the cached prefix and admit the request on the engine thread; (loaded, installed, chunks, load_s)
-        for the timings. `plan`: the request, for the router's plan of the cached prefix (`load_prefix`)."""
+               plan: worker_pb2.PrefillRequest) -> Admitted:
+        """Load the cached prefix and admit the request on the engine thread. `plan`: the request, for the
+        router's plan of the cached prefix (`load_prefix`)."""
         started = time.perf_counter()
         cacheable = job.hashes[:cacheable_blocks(len(job.prompt), self.bundle.block_size)]
         chunks = ChunkInstaller(self.loop, cacheable, job.prompt)  # installs while later blocks are read
@@ -234,7 +241,7 @@ class PrefillService(WorkerBase):
             chunks.finish()
             loaded.release()  # admission ran on the engine thread and copied the payloads into the cache
         context.add_callback(lambda: self.loop.abort(job.request_id, "client cancelled"))
-        return loaded, installed, chunks, load_s
+        return Admitted(loaded, installed, chunks, load_s)
 
     def _wait(self, job: PrefillJob, context: grpc.ServicerContext, event: threading.Event) -> bool:
         """Until `event`; False (the request aborted) when the client went away first."""
@@ -262,12 +269,11 @@ class PrefillService(WorkerBase):
         if response.kv.lease_id and not context.is_active():
             self.leases.release(response.kv.lease_id)  # nobody will read it: do not wait for the TTL
 
-    def _fill_timings(self, job: PrefillJob, timings: common_pb2.Timings, admitted: tuple) -> None:
-        loaded, installed, chunks, load_s = admitted
+    def _fill_timings(self, job: PrefillJob, timings: common_pb2.Timings, admitted: Admitted) -> None:
         scheduled = job.scheduled_at or job.arrived_at
         timings.queue_ms = ms(scheduled - job.arrived_at)
-        timings.prefill_ms = ms(load_s + (job.first_output_at or scheduled) - scheduled)
-        fill_load_timings(timings, loaded, installed, chunks.install_s())
+        timings.prefill_ms = ms(admitted.load_s + (job.first_output_at or scheduled) - scheduled)
+        fill_load_timings(timings, admitted.loaded, admitted.installed, admitted.chunks.install_s())
 
     def ReleaseKv(self, request: worker_pb2.ReleaseKvRequest, context) -> worker_pb2.ReleaseKvResponse:
         return worker_pb2.ReleaseKvResponse(released=self.leases.release(request.lease_id))

@@ -146,20 +146,17 @@ class DiskTier(Tier):
         except OSError as exc:
             raise self._failed("read", exc) from exc
         try:
-            if nowait:
-                try:
-                    n = os.preadv(fd, [memoryview(buf)[:size]], 0, self._nowait)
-                except BlockingIOError:
-                    return _COLD
-                except OSError as exc:
-                    if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                        raise
-                    self._nowait = 0        # this filesystem cannot: every read waits from now on
-                    return _COLD
-                if n < size:                # partly cached: the rest would wait
-                    return _COLD
-            else:
-                n = os.preadv(fd, [memoryview(buf)[:size]], 0)
+            try:
+                n = os.preadv(fd, [memoryview(buf)[:size]], 0, self._nowait if nowait else 0)
+            except BlockingIOError:
+                return _COLD
+            except OSError as exc:
+                if not nowait or exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                self._nowait = 0            # this filesystem cannot: every read waits from now on
+                return _COLD
+            if nowait and n < size:         # partly cached: the rest would wait
+                return _COLD
             now = time.monotonic()
             if now - self._touched.get(key, float("-inf")) >= self.touch_interval_s:
                 os.utime(fd)  # a metadata write: only now and then, it only orders the LRU after a restart
