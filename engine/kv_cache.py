@@ -74,4 +74,38 @@ class KVCache:
             raise ValueError(f"write_blocks data must have shape {list(expected)}, got {list(data.shape)}")
         if data.dtype != self.tensor.dtype:
             raise ValueError(f"write_blocks data must have dtype {self.tensor.dtype}, got {data.dtype}")
-        self.tensor.index_copy_(0, ids, data.to(self.tensor.device))
+        _write_rows(self.tensor, ids, data.to(self.tensor.device))
+
+
+# NOTE: on the CPU `index_copy_` moves a block's span element by element: 124 fp32 blocks of 64 KiB took 0.66-0.8 ms,
+# a slice `copy_` of the same bytes 0.26 ms and `index_copy_` over 16-byte elements 0.41 (1 thread). Blocks a load
+# installs are mostly consecutive ids (taken from the free list together), so runs are copied as slices.
+_MAX_RUNS_SHARE = 8   # at most one run per this many blocks, else one wide index_copy_
+
+
+def _write_rows(dst: torch.Tensor, ids: torch.Tensor, data: torch.Tensor) -> None:
+    """`dst[ids] = data` along dim 0 (ids distinct)."""
+    n = ids.numel()
+    if dst.device.type != "cpu" or n == 0:
+        dst.index_copy_(0, ids, data)
+        return
+    flat = ids.tolist()
+    starts = [0] + [i for i in range(1, n) if flat[i] != flat[i - 1] + 1]
+    if len(starts) * _MAX_RUNS_SHARE <= max(n, _MAX_RUNS_SHARE):
+        for a, b in zip(starts, [*starts[1:], n]):
+            dst[flat[a]:flat[a] + b - a].copy_(data[a:b])
+        return
+    wide_dst, wide_data = _wide(dst), _wide(data)
+    if wide_dst is not None and wide_data is not None:
+        wide_dst.index_copy_(0, ids, wide_data)
+    else:
+        dst.index_copy_(0, ids, data)
+
+
+def _wide(rows: torch.Tensor) -> torch.Tensor | None:
+    """`rows` `[n, ...]` as `[n, bytes / 16]` of 16-byte elements (a view), or None when its layout has no such
+    view (a row not contiguous, or not 16-byte aligned)."""
+    try:
+        return rows.flatten(1).view(torch.uint8).view(torch.complex128)
+    except RuntimeError:
+        return None

@@ -117,8 +117,13 @@ class BlockHeader(NamedTuple):
         return 4 * self.num_tokens if self.has_tokens else 0
 
     @property
+    def span_start(self) -> int:
+        """Where the span (scales, then payload) starts in the encoded block."""
+        return HEADER_SIZE + self.tokens_len
+
+    @property
     def encoded_len(self) -> int:
-        return HEADER_SIZE + self.tokens_len + self.scales_len + self.payload_len
+        return self.span_start + self.scales_len + self.payload_len
 
 
 class DecodedBlock(NamedTuple):

@@ -53,6 +53,16 @@ class GetResult(NamedTuple):
     verify_s: float = 0.0  # seconds verifying the codec (summed over blocks)
 
 
+class HostBlocks(NamedTuple):
+    """`TieredStore.borrow_host`: the leading blocks host holds, verified where they lie in shared memory."""
+
+    blocks: list[codec.DecodedBlock]  # verified zero-copy views into the host tier's slots
+    slots: list[int]                  # each block's slot (a row of `HostTier.slot_rows()`)
+    release: Callable[[], None]       # call once the blocks are used: their slots may be reused after it
+    read_s: float = 0.0
+    verify_s: float = 0.0
+
+
 class PutResult(NamedTuple):
     stored: int  # blocks now in host (new or already there)
     queued: int  # lower-tier writes now owed in the background
@@ -184,6 +194,34 @@ class TieredStore:
         self._promote(hashes, views, served, blocks)
         leading = _leading(served)
         return GetResult(leading, served, blocks, read_s, verify_s[0])
+
+    def borrow_host(self, hashes: Sequence[BlockHash], fingerprint: bytes) -> HostBlocks | None:
+        """`get` of the leading blocks host holds without copying them: verified in place and kept there (no
+        eviction, no reuse of their slots) until the result's `release()`. None when the host tier cannot lend (a
+        custom host tier) or is backing off. A bad copy ends the run: counted, deleted, and the caller reads or
+        recomputes the rest."""
+        borrow = getattr(self.host, "borrow", None)
+        if borrow is None:
+            return None
+        started = time.perf_counter()
+        loan = self._call("host", "read", borrow, list(hashes))
+        if loan is None:
+            return None
+        read_s = time.perf_counter() - started
+        blocks: list[codec.DecodedBlock] = []
+        for key, view in zip(hashes, loan.views):
+            if view is None:
+                break
+            try:
+                blocks.append(codec.decode(view, fingerprint, key))
+            except codec.CorruptBlock as exc:
+                log.warning("host tier: dropping bad copy of %s: %s", bytes(key).hex(), exc)
+                self._count("host", checksum_failures=1)
+                if self._call("host", "read", self.host.delete, [key]):
+                    self._events.removed("host", [key])
+                break
+        return HostBlocks(blocks, loan.slots[:len(blocks)], loan.release, read_s,
+                          time.perf_counter() - started - read_s)
 
     def _get_hinted(self, hashes, views, fingerprint, hint, served, blocks, verify_s) -> None:
         """First pass of `get`: each hinted group from its tier; the shared tiers' groups concurrently."""

@@ -11,7 +11,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from typing import Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from kvstore.hashing import BlockHash
 from kvstore.tiers.base import Tier, TierStats, TierUnavailable, register_tier
@@ -19,6 +19,15 @@ from kvstore.tiers.host_segment import Segment, split_key, sweep_stale
 
 _PAGE = 4096
 _AUTO_PREFIX = "strata-host-"
+
+
+class HostLoan(NamedTuple):
+    """Blocks of the host tier lent in place (`HostTier.borrow`): no copy, and no put, eviction or delete reuses
+    their slots until `release()` (call it once)."""
+
+    views: list[memoryview | None]  # per key: the object's bytes in shared memory, None for a miss
+    slots: list[int | None]         # per key: its slot (a row of `HostTier.slot_rows()`), None for a miss
+    release: Callable[[], None]
 
 
 @register_tier("host")
@@ -46,6 +55,8 @@ class HostTier(Tier):
         self._lock = threading.Lock()
         self._lru: OrderedDict[bytes, int] = OrderedDict()  # key -> slot, least recent first
         self._free: list[int] = []
+        self._lent: dict[int, int] = {}   # slot -> loans holding it (`borrow`)
+        self._lent_gone: set[int] = set()  # lent slots whose key was deleted: freed when the last loan ends
         self._tombstones = 0
         self._segment: Segment | None = None
         if slot_bytes:
@@ -96,6 +107,52 @@ class HostTier(Tier):
         self._observe("get", started, hits=hits, misses=len(out) - hits, bytes_read=nbytes)
         return out
 
+    def borrow(self, keys: Sequence[BlockHash]) -> HostLoan:
+        """The blocks held, in place (a hit, as `get` counts it, without its copy): each slot stays as it is, kept
+        from eviction and reuse, until the loan's `release()`. For an owner that reads a prefix and installs it
+        right away (a peer process reads with `HostTierReader.view`)."""
+        started, views, slots, nbytes = time.perf_counter(), [], [], 0
+        with self._lock:
+            for key in keys:
+                slot = self._lru.get(bytes(key))
+                if slot is not None:
+                    n = self._segment.length(slot)
+                    self._lent[slot] = self._lent.get(slot, 0) + 1
+                    self._lru.move_to_end(bytes(key))
+                    views.append(self._segment.slot_data(slot, n))
+                    nbytes += n
+                else:
+                    views.append(None)
+                slots.append(slot)
+        hits = sum(slot is not None for slot in slots)
+        self._observe("get", started, hits=hits, misses=len(slots) - hits, bytes_read=nbytes)
+        lent, released = [slot for slot in slots if slot is not None], []
+
+        def release() -> None:
+            if released:
+                return
+            released.append(True)
+            with self._lock:
+                for slot in lent:
+                    left = self._lent.pop(slot) - 1
+                    if left:
+                        self._lent[slot] = left
+                    elif slot in self._lent_gone:
+                        self._lent_gone.discard(slot)
+                        self._free.append(slot)
+        return HostLoan(views, slots, release)
+
+    def slot_rows(self) -> tuple[memoryview, int] | None:
+        """The slots' bytes as one buffer and the bytes of a slot (slot i is `[i * slot_bytes, (i + 1) * slot_bytes)`;
+        an object starts at its slot's start), or None before the first put sized them. The buffer stays valid while
+        this tier is open."""
+        with self._lock:
+            if self._segment is None:
+                return None
+            shape = self._segment.shape
+            return self._segment.buf[shape.data_off:shape.data_off + shape.num_slots * shape.slot_bytes], \
+                shape.slot_bytes
+
     def peek(self, keys: Sequence[BlockHash]) -> list[bytes | None]:
         """Copies of the objects, or None for a miss; not a cache hit (no counters, no LRU refresh). The store's
         write-behind reads blocks back with it to write them to the lower tiers."""
@@ -118,7 +175,7 @@ class HostTier(Tier):
         return out
 
     def _put_one(self, key: bytes, data: memoryview) -> str | None:
-        """'new', 'present', or None when the object does not fit a slot."""
+        """'new', 'present', or None when the object does not fit a slot (or every slot is lent out)."""
         if key in self._lru:
             self._lru.move_to_end(key)
             return "present"
@@ -127,14 +184,21 @@ class HostTier(Tier):
         if len(data) > self._slot_bytes:
             return None
         slot = self._free.pop() if self._free else self._evict_lru()
+        if slot is None:
+            return None  # every slot is lent out: no room until a loan ends
         k0, k1 = split_key(key)
         self._segment.write_slot(slot, k0, k1, data)
         self._segment.table_insert(k0, slot)
         self._lru[key] = slot
         return "new"
 
-    def _evict_lru(self) -> int:
-        key, slot = self._lru.popitem(last=False)
+    def _evict_lru(self) -> int | None:
+        """The least recently used slot no loan holds, its block evicted; None when every used slot is lent."""
+        victim = next(((k, s) for k, s in self._lru.items() if s not in self._lent), None)
+        if victim is None:
+            return None
+        key, slot = victim
+        del self._lru[key]
         data = self._segment.slot_data(slot, self._segment.length(slot)) if self.eviction_wants_data else None
         try:
             self._evicted(BlockHash(key), data)  # the listener copies what it keeps: the slot is reused next
@@ -160,7 +224,7 @@ class HostTier(Tier):
                 slot = self._lru.pop(bytes(key), None)
                 if slot is not None:
                     self._unindex(bytes(key), slot)
-                    self._free.append(slot)
+                    self._free_slot(slot)
                     removed += 1
         return removed
 
@@ -168,11 +232,18 @@ class HostTier(Tier):
         with self._lock:
             for slot in self._lru.values():
                 self._segment.clear_slot(slot)
-                self._free.append(slot)
+                self._free_slot(slot)
             self._lru.clear()
             if self._segment is not None:
                 self._segment.table_rebuild([])
             self._tombstones = 0
+
+    def _free_slot(self, slot: int) -> None:
+        """Lock held. A slot whose key is gone: free now, or when its last loan ends (its bytes stay until then)."""
+        if slot in self._lent:
+            self._lent_gone.add(slot)
+        else:
+            self._free.append(slot)
 
     def keys_lru_order(self) -> list[BlockHash]:
         """Keys from least to most recently used (for tests and admin tools)."""
@@ -187,7 +258,9 @@ class HostTier(Tier):
             used = list(self._lru.values())
             assert len(set(used)) == len(used), "a slot is used twice"
             assert not set(used) & set(self._free), "a slot is both used and free"
-            assert len(used) + len(self._free) == self.num_slots, "free + used != total"
+            assert not self._lent_gone & set(self._free) and not self._lent_gone & set(used), \
+                "a lent slot whose key is gone is free or used"
+            assert len(used) + len(self._free) + len(self._lent_gone) == self.num_slots, "free + used != total"
             for key, slot in self._lru.items():
                 assert self._segment.find(*split_key(key)) == slot, f"slot {slot} not indexed under its key"
 

@@ -123,6 +123,52 @@ def test_delete_and_clear_free_slots(tier):
     tier.check_integrity()
 
 
+def test_a_lent_block_is_read_in_place_and_its_slot_is_not_reused_until_released(tier):
+    hashes, blocks = make_blocks(5)
+    evicted = []
+    tier.eviction_listener = lambda key, data: evicted.append(key)
+    tier.put(list(zip(hashes[:3], blocks[:3])))
+    loan = tier.borrow([hashes[0], b"\x00" * 16, hashes[1]])
+    assert loan.views[1] is None and loan.slots[1] is None
+    assert bytes(loan.views[0]) == blocks[0] and bytes(loan.views[2]) == blocks[1]
+    rows, slot_bytes = tier.slot_rows()
+    assert slot_bytes == SLOT and bytes(rows[loan.slots[2] * SLOT:][:len(blocks[1])]) == blocks[1]
+    assert (tier.stats().hits, tier.stats().misses) == (2, 1)      # a hit as `get` counts one
+    assert tier.put([(hashes[3], blocks[3])]) == [True]            # evicts the one block no loan holds
+    assert tier.put([(hashes[4], blocks[4])]) == [True]
+    assert evicted == [hashes[2], hashes[3]]
+    other = tier.borrow([hashes[4]])
+    assert tier.put([(hashes[2], blocks[2])]) == [False]           # every used slot is lent: no room
+    assert tier.delete([hashes[0]]) == 1                           # gone from the index, its bytes stay lent
+    assert tier.contains([hashes[0]]) == [False] and bytes(loan.views[0]) == blocks[0]
+    assert tier.put([(hashes[2], blocks[2])]) == [False]           # its slot is not free before the release
+    tier.check_integrity()
+    loan.release()
+    loan.release()                                                 # idempotent
+    tier.check_integrity()
+    assert tier.put([(hashes[2], blocks[2])]) == [True]            # hashes[0]'s slot, freed: no eviction
+    assert evicted == [hashes[2], hashes[3]]
+    assert tier.put([(hashes[3], blocks[3])]) == [True]            # hashes[1]: no longer lent, the oldest
+    assert evicted[-1] == hashes[1] and bytes(other.views[0]) == blocks[4]
+    other.release()
+    tier.check_integrity()
+
+
+def test_a_block_lent_twice_stays_until_both_loans_end(tier):
+    hashes, blocks = make_blocks(4)
+    tier.put(list(zip(hashes[:3], blocks[:3])))
+    first, second = tier.borrow(hashes[:1]), tier.borrow(hashes[:1])
+    tier.clear()
+    first.release()
+    assert tier.put(list(zip(hashes[1:4], blocks[1:4]))) == [True, True, True]
+    assert tier.contains(hashes[1:4]) == [False, True, True]      # two slots for three: the lent one stays
+    assert bytes(second.views[0]) == blocks[0]
+    second.release()
+    assert tier.put([(hashes[0], blocks[0])]) == [True]
+    assert tier.contains(hashes) == [True, False, True, True]     # its freed slot: no eviction
+    tier.check_integrity()
+
+
 def test_reader_sees_blocks_and_never_a_rewritten_slot(tier):
     hashes, blocks = make_blocks(4)
     tier.put(list(zip(hashes[:3], blocks[:3])))

@@ -83,3 +83,23 @@ def test_moe_dispatches_agree(qwen3_moe):
     ids = torch.tensor([[0, 1], [3, 2], [1, 3], [0, 2], [2, 1]])
     w = torch.rand(5, 2, generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(experts.forward_gather(x, ids, w), experts.forward_grouped(x, ids, w))
+
+
+@pytest.mark.parametrize("ids", [list(range(5, 13)), [3, 9, 1, 14, 6, 0, 11, 4],
+                                 [*range(10, 18), *range(0, 8), *range(20, 28)]],
+                         ids=["one run", "scattered", "three runs"])
+@pytest.mark.parametrize("row_offset", [16, 4], ids=["16-byte aligned rows", "4-byte aligned rows"])
+def test_write_blocks_from_strided_rows_equals_index_copy(ids, row_offset):
+    """`write_blocks` copies runs of consecutive ids as slices and scattered ids as one index_copy_ (over 16-byte
+    elements where the rows allow it): the cache ends up as a plain index_copy_ leaves it."""
+    from engine.kv_cache import KVCache
+
+    cache = KVCache(32, 2, 4, 2, 8, torch.float32, torch.device("cpu"))
+    cache.tensor.normal_()
+    want = cache.tensor.clone()
+    span = cache.block_bytes
+    staging = torch.randint(0, 255, (len(ids), span + 64), dtype=torch.uint8)  # rows with a header in front
+    data = staging[:, row_offset:row_offset + span].view(torch.float32).view(len(ids), *cache.block_shape)
+    cache.write_blocks(ids, data)
+    want.index_copy_(0, torch.tensor(ids), data)
+    assert torch.equal(cache.tensor.view(torch.uint8), want.view(torch.uint8))

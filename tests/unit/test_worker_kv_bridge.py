@@ -132,6 +132,59 @@ def test_finished_blocks_written_to_the_store_load_into_another_engine(model):
     assert torch.equal(second.runner.read_blocks(installed.pinned), first.runner.read_blocks(first_ids))
 
 
+@pytest.mark.parametrize("order", ["stored in order", "stored in reverse"])
+def test_a_host_hit_installs_from_the_host_tiers_own_slots(model, order):
+    """Host holds every block: the payloads are its slots, lent (no staging copy) until `release`; blocks stored in
+    order lie in consecutive slots (one strided view), in reverse they do not (one gather). Either way the installed
+    KV equals the engine that computed it."""
+    from kvstore.config import HostTierConfig, StoreConfig
+    from kvstore.store import TieredStore
+    from worker_common.prefix_load import LentPayloads, load_prefix
+
+    first = engine_of(model)
+    prompt = [5 + (i * 13) % 190 for i in range(16 * 6 + 3)]
+    first.engine.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))
+    fp = first.fingerprint_for("")
+    hashes = hash_blocks(fp, prompt, 16)
+    _, _, encoded = prefill_and_export(first, prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+    items = list(zip(hashes, encoded))
+    with TieredStore(StoreConfig(host=HostTierConfig(capacity_bytes=1 << 20))) as store:
+        store.put(items if order == "stored in order" else items[::-1])
+        second = engine_of(model)
+        loaded = load_prefix(second, store, hashes, fp)
+        assert isinstance(loaded.payloads, LentPayloads) and loaded.by_tier == {"host": 6}
+        probe = store.host.borrow(hashes)
+        slots = probe.slots
+        probe.release()
+        consecutive = slots == list(range(slots[0], slots[0] + 6))
+        assert consecutive == (order == "stored in order")
+        installed = install_blocks(second, hashes, loaded.payloads)
+        assert installed.num_written == 6
+        first_ids = [first.engine.block_manager.pool.lookup(h) for h in hashes]
+        assert torch.equal(second.runner.read_blocks(installed.pinned), first.runner.read_blocks(first_ids))
+        assert bytes(loaded.payloads[1]) == bytes(codec.decode(encoded[1], fp, hashes[1]).span)
+        loaded.release()
+
+
+def test_a_corrupted_host_block_ends_the_lent_run_and_is_dropped(model):
+    from kvstore.config import HostTierConfig, StoreConfig
+    from kvstore.store import TieredStore
+    from worker_common.prefix_load import load_prefix
+
+    bundle = engine_of(model)
+    _, hashes, encoded = prefill_and_export(bundle, PROMPT, PARAMS)
+    with TieredStore(StoreConfig(host=HostTierConfig(capacity_bytes=1 << 20))) as store:
+        store.put(list(zip(hashes, encoded)))
+        loan = store.host.borrow([hashes[1]])
+        loan.views[0][-1] ^= 0xFF                      # a bit flip in the second block's payload, in place
+        loan.release()
+        loaded = load_prefix(engine_of(model), store, hashes, bundle.fingerprint_for(""))
+        assert loaded.by_tier == {"host": 1} and len(loaded.payloads) == 1
+        assert store.stats()["host"].checksum_failures == 1 and store.host.contains(hashes) == [True, False]
+        loaded.release()
+        store.host.check_integrity()
+
+
 def test_staging_buffers_are_reused_only_after_release():
     from worker_common.staging import StagingPool
 
