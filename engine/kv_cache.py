@@ -15,6 +15,8 @@ followed by its `payload` section is exactly one span (header | tokens | scales 
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from engine.attention.kv_quant import QUANTIZED_DTYPES, QuantizedLayerKV
@@ -109,3 +111,13 @@ def _wide(rows: torch.Tensor) -> torch.Tensor | None:
         return rows.flatten(1).view(torch.uint8).view(torch.complex128)
     except RuntimeError:
         return None
+
+
+def gather_rows(rows: torch.Tensor, indices: Sequence[int]) -> torch.Tensor:
+    """`rows[indices]` along dim 0 as a new tensor, copied over 16-byte elements where the rows allow it (on the
+    CPU `index_select` of uint8 rows moved ~0.7 ms for 124 rows of 68 KiB, over 16-byte elements ~0.37)."""
+    index = torch.as_tensor(indices, dtype=torch.long, device=rows.device)
+    wide = _wide(rows) if rows.device.type == "cpu" else None
+    if wide is None:
+        return rows.index_select(0, index)
+    return wide.index_select(0, index).view(rows.dtype).view(len(indices), *rows.shape[1:])

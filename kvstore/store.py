@@ -116,18 +116,23 @@ class TieredStore:
 
     # Lookup and get -----------------------------------------------------------------------------------------
 
-    def lookup(self, hashes: Sequence[BlockHash], expect: int = 0) -> LookupResult:
+    def lookup(self, hashes: Sequence[BlockHash], expect: int = 0, shared_upto: int | None = None) -> LookupResult:
         """Fastest tier first; each later stage is asked only about the blocks no faster tier holds.
         `expect`: leading blocks someone else (the router, from every worker's KV events) knows are stored. When
         fewer are found, the shared tiers that answer from a cached index (S3) refresh it once and are asked again:
-        another worker wrote them after this one last looked."""
+        another worker wrote them after this one last looked. `shared_upto`: the shared tiers are asked about the
+        first this many blocks only (the router's index knows of no copy of the others; asking costs a network
+        round trip); None = about every block."""
         serving: list[str | None] = [None] * len(hashes)
         pending = list(range(len(hashes)))
         for stage in self._stages:
+            if shared_upto is not None and any(n in SHARED_TIERS for n in stage):
+                pending = [i for i in pending if i < shared_upto]
             pending = self._resolve(stage, hashes, pending, serving)
         leading = _leading(serving)
         if leading < min(expect, len(hashes)) and self._refresh_shared():
-            self._resolve(self._stages[-1], hashes, [i for i in range(len(hashes)) if serving[i] is None], serving)
+            upto = len(hashes) if shared_upto is None else min(shared_upto, len(hashes))
+            self._resolve(self._stages[-1], hashes, [i for i in range(upto) if serving[i] is None], serving)
             leading = _leading(serving)
         tiers = tuple(serving[:leading])
         return LookupResult(leading, tiers, {n: tiers.count(n) for n in self._names})

@@ -111,6 +111,13 @@ def install_blocks(bundle: EngineBundle, hashes: Sequence[bytes], payloads: Sequ
             write_at.append(i)
         pinned.append(block_id)
     if write_ids:
+        # NOTE: which free block takes which payload is free to choose: in ascending order, blocks freed together
+        # (a flush, a finished request) come back as runs the cache copies as slices (`KVCache.write_blocks`)
+        ascending = sorted(write_ids)
+        if ascending != write_ids:
+            for block_id, i in zip(ascending, write_at):
+                pinned[i] = block_id
+            write_ids = ascending
         gather = getattr(payloads, "gather", None)  # staged payloads: one strided view, no copy of their own
         try:
             data = gather(write_at) if gather else payload_tensor(bundle, [payloads[i] for i in write_at])

@@ -27,6 +27,7 @@ import torch
 
 from kvstore.store import TieredStore
 from worker_common.engine_loop import EngineLoop
+from engine.kv_cache import gather_rows
 from worker_common.engine_setup import EngineBundle
 from worker_common.kv_blocks import InstallResult, device_prefix_blocks, install_blocks, slot_bytes
 from worker_common.staging import StagingPool
@@ -77,7 +78,7 @@ class StagedPayloads(Sequence):
         start = where[0] if where else 0
         if where == list(range(start, start + len(where))):
             return self._staging[start:start + len(where), span]
-        return self._staging.index_select(0, torch.as_tensor(where, dtype=torch.long))[:, span]
+        return gather_rows(self._staging, where)[:, span]
 
     def gather(self, indices: Sequence[int]) -> torch.Tensor:
         """Cache-shaped payloads `[n, *block_shape]` of items `indices` (`_spans`)."""
@@ -142,34 +143,38 @@ class ChunkInstaller:
 def load_prefix(bundle: EngineBundle, store: TieredStore, hashes: Sequence[bytes], fingerprint: bytes,
                 plan: Any = None, on_chunk: OnChunk | None = None) -> LoadedPrefix:
     """What `install_blocks` needs for a prompt's cacheable blocks: None for the leading blocks the device holds,
-    then verified payloads of the next ones any store tier holds, in a pooled staging buffer: call the result's
-    `release` once they are installed (never before: the next load overwrites it). `plan`: the router's request
-    (`PrefillRequest` / `WorkerGenerateRequest`): load at most `max_load_blocks` leading blocks when set (loading
-    more was found slower than recomputing them; blocks already on the device cost nothing and are always used),
-    and expect `expected_cached_blocks` to be stored somewhere (a shared tier's cached index that knows fewer is
-    refreshed). `on_chunk(start, payloads)`: called as each chunk of rows is verified (a `ChunkInstaller`)."""
+    then verified payloads of the next ones any store tier holds (in the host tier's slots when host holds them
+    all, else in a pooled staging buffer): call the result's `release` once they are installed (never before: the
+    slots or the buffer serve the next load). `plan`: the router's request (`PrefillRequest` /
+    `WorkerGenerateRequest`): load at most `max_load_blocks` leading blocks when set (loading more was found slower
+    than recomputing them; blocks already on the device cost nothing and are always used), and expect
+    `expected_cached_blocks` to be stored somewhere (a shared tier's cached index that knows fewer is refreshed;
+    set, the shared tiers are not asked about the blocks after them). `on_chunk(start, payloads)`: called as each
+    chunk of rows is verified (a `ChunkInstaller`)."""
     on_device = device_prefix_blocks(bundle, hashes)
-    expect = 0
+    expect, shared_upto = 0, None
     if plan is not None:
         if plan.HasField("max_load_blocks"):
             hashes = hashes[:max(plan.max_load_blocks, on_device)]
         expect = max(0, min(plan.expected_cached_blocks, len(hashes)) - on_device)
+        shared_upto = expect if plan.HasField("expected_cached_blocks") else None
     return load_from_store(bundle, store, hashes[on_device:], fingerprint, lead=on_device, expect=expect,
-                           pool=STAGING, on_chunk=on_chunk, borrow=True)
+                           pool=STAGING, on_chunk=on_chunk, borrow=True, shared_upto=shared_upto)
 
 
 def load_from_store(bundle: EngineBundle, store: TieredStore, hashes: Sequence[bytes], fingerprint: bytes,
                     lead: int = 0, expect: int = 0, pool: StagingPool | None = None,
-                    on_chunk: OnChunk | None = None, borrow: bool = False) -> LoadedPrefix:
+                    on_chunk: OnChunk | None = None, borrow: bool = False,
+                    shared_upto: int | None = None) -> LoadedPrefix:
     """Verified payloads of the leading blocks any tier of `store` holds (possibly none), after `lead` Nones.
     `expect`: how many of `hashes` the router's index says some tier holds (`TieredStore.lookup`). With a `pool`,
     the payloads live in one of its buffers until the caller calls `release` (after installing them). With
     `on_chunk`, when some block comes from a tier below host, blocks are read `CHUNK_BLOCKS` at a time and each
     verified chunk is handed over at once (its `start` counts the `lead` blocks). `borrow`: when host serves every
     block, the payloads are the host tier's own slots, lent until `release` (`TieredStore.borrow_host`), not
-    copies (the caller installs them, then releases)."""
+    copies (the caller installs them, then releases). `shared_upto`: `TieredStore.lookup`'s."""
     started = time.perf_counter()
-    found = store.lookup(list(hashes), expect=expect) if hashes else None
+    found = store.lookup(list(hashes), expect=expect, shared_upto=shared_upto) if hashes else None
     lookup_s = time.perf_counter() - started
     if not found or not found.num_hit_blocks:
         return LoadedPrefix([None] * lead, {"device": lead} if lead else {}, lookup_s, 0.0, 0.0)

@@ -234,6 +234,7 @@ class HostTier(Tier):
                 self._segment.clear_slot(slot)
                 self._free_slot(slot)
             self._lru.clear()
+            self._free.sort(reverse=True)  # handed out in ascending order: blocks stored in order lie in order
             if self._segment is not None:
                 self._segment.table_rebuild([])
             self._tombstones = 0

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from strata.v1 import common_pb2 as strata_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16strata/v1/worker.proto\x12\tstrata.v1\x1a\x16strata/v1/common.proto\"\xfc\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.strata.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x10\n\x08lease_ms\x18\x05 \x01(\r\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x06 \x01(\t\x12\x1c\n\x0fmax_load_blocks\x18\x07 \x01(\rH\x00\x88\x01\x01\x12\x1e\n\x16\x65xpected_cached_blocks\x18\x08 \x01(\rB\x12\n\x10_max_load_blocksJ\x04\x08\x10\x10\x18\"\x98\x03\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x18\n\x10\x66irst_text_delta\x18\x03 \x01(\t\x12\x1f\n\x02kv\x18\x04 \x01(\x0b\x32\x13.strata.v1.KvHandle\x12#\n\x07timings\x18\x05 \x01(\x0b\x32\x12.strata.v1.Timings\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\x12.\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x17.strata.v1.FinishReason\x12\x11\n\tworker_id\x18\x08 \x01(\t\x12\x12\n\x08stop_str\x18\t \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\n \x01(\rH\x00\x12\x30\n\x0e\x66irst_logprobs\x18\x0b \x01(\x0b\x32\x18.strata.v1.TokenLogprobs\x12\x31\n\x0fprompt_logprobs\x18\x0c \x03(\x0b\x32\x18.strata.v1.TokenLogprobsB\r\n\x0bstop_reason\"\xe0\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\r\x12\x1f\n\x02kv\x18\x04 \x01(\x0b\x32\x13.strata.v1.KvHandle\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.strata.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x11\n\tskip_text\x18\x07 \x01(\x08\x12\x15\n\rcached_tokens\x18\x08 \x01(\rJ\x04\x08\x10\x10\x18\"\x85\x02\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.strata.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x11\n\tskip_text\x18\x05 \x01(\x08\x12\x1c\n\x0fmax_load_blocks\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x1e\n\x16\x65xpected_cached_blocks\x18\x07 \x01(\r\x12\x19\n\x11resume_output_ids\x18\x08 \x03(\rB\x12\n\x10_max_load_blocksJ\x04\x08\x10\x10\x18\"\xed\x03\n\nTokenChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x12\n\ntext_delta\x18\x03 \x01(\t\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.strata.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.strata.v1.Usage\x12\x12\n\x08stop_str\x18\x06 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x07 \x01(\rH\x00\x12#\n\x07timings\x18\x08 \x01(\x0b\x32\x12.strata.v1.Timings\x12\x1a\n\x12\x62locks_transferred\x18\t \x01(\r\x12\x19\n\x11\x62locks_from_store\x18\n \x01(\r\x12\x19\n\x11\x62locks_recomputed\x18\x0b \x01(\r\x12\x1a\n\x12kv_fallback_reason\x18\x0c \x01(\t\x12*\n\x08logprobs\x18\r \x03(\x0b\x32\x18.strata.v1.TokenLogprobs\x12\x31\n\x0fprompt_logprobs\x18\x0e \x03(\x0b\x32\x18.strata.v1.TokenLogprobs\x12\x1f\n\x17tail_tokens_transferred\x18\x0f \x01(\rB\r\n\x0bstop_reasonJ\x04\x08\x10\x10\x14\"$\n\x10ReleaseKvRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"%\n\x11ReleaseKvResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"(\n\x12WorkerAbortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"$\n\x13WorkerAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"\x7f\n\x0eHealthResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12#\n\x04role\x18\x02 \x01(\x0e\x32\x15.strata.v1.WorkerRole\x12%\n\x05state\x18\x03 \x01(\x0e\x32\x16.strata.v1.WorkerState\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\"\x0e\n\x0cStatsRequest\"\xa5\x01\n\rStatsResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12#\n\x04load\x18\x02 \x01(\x0b\x32\x15.strata.v1.WorkerLoad\x12*\n\x05\x63\x61\x63he\x18\x03 \x01(\x0b\x32\x1b.strata.v1.WorkerCacheStats\x12\x30\n\x0bspeculative\x18\x04 \x01(\x0b\x32\x1b.strata.v1.SpeculativeStats2\xb9\x05\n\x06Worker\x12@\n\x07Prefill\x12\x19.strata.v1.PrefillRequest\x1a\x1a.strata.v1.PrefillResponse\x12H\n\rPrefillStream\x12\x19.strata.v1.PrefillRequest\x1a\x1a.strata.v1.PrefillResponse0\x01\x12;\n\x06\x44\x65\x63ode\x12\x18.strata.v1.DecodeRequest\x1a\x15.strata.v1.TokenChunk0\x01\x12\x45\n\x08Generate\x12 .strata.v1.WorkerGenerateRequest\x1a\x15.strata.v1.TokenChunk0\x01\x12\x46\n\tReleaseKv\x12\x1b.strata.v1.ReleaseKvRequest\x1a\x1c.strata.v1.ReleaseKvResponse\x12\x46\n\x05\x41\x62ort\x12\x1d.strata.v1.WorkerAbortRequest\x1a\x1e.strata.v1.WorkerAbortResponse\x12=\n\x06Health\x12\x18.strata.v1.HealthRequest\x1a\x19.strata.v1.HealthResponse\x12:\n\x05Stats\x12\x17.strata.v1.StatsRequest\x1a\x18.strata.v1.StatsResponse\x12I\n\nEvictCache\x12\x1c.strata.v1.EvictCacheRequest\x1a\x1d.strata.v1.EvictCacheResponse\x12I\n\nFlushCache\x12\x1c.strata.v1.FlushCacheRequest\x1a\x1d.strata.v1.FlushCacheResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16strata/v1/worker.proto\x12\tstrata.v1\x1a\x16strata/v1/common.proto\"\x9c\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.strata.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x10\n\x08lease_ms\x18\x05 \x01(\r\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x06 \x01(\t\x12\x1c\n\x0fmax_load_blocks\x18\x07 \x01(\rH\x00\x88\x01\x01\x12#\n\x16\x65xpected_cached_blocks\x18\x08 \x01(\rH\x01\x88\x01\x01\x42\x12\n\x10_max_load_blocksB\x19\n\x17_expected_cached_blocksJ\x04\x08\x10\x10\x18\"\x98\x03\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x18\n\x10\x66irst_text_delta\x18\x03 \x01(\t\x12\x1f\n\x02kv\x18\x04 \x01(\x0b\x32\x13.strata.v1.KvHandle\x12#\n\x07timings\x18\x05 \x01(\x0b\x32\x12.strata.v1.Timings\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\x12.\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x17.strata.v1.FinishReason\x12\x11\n\tworker_id\x18\x08 \x01(\t\x12\x12\n\x08stop_str\x18\t \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\n \x01(\rH\x00\x12\x30\n\x0e\x66irst_logprobs\x18\x0b \x01(\x0b\x32\x18.strata.v1.TokenLogprobs\x12\x31\n\x0fprompt_logprobs\x18\x0c \x03(\x0b\x32\x18.strata.v1.TokenLogprobsB\r\n\x0bstop_reason\"\xe0\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\r\x12\x1f\n\x02kv\x18\x04 \x01(\x0b\x32\x13.strata.v1.KvHandle\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.strata.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x11\n\tskip_text\x18\x07 \x01(\x08\x12\x15\n\rcached_tokens\x18\x08 \x01(\rJ\x04\x08\x10\x10\x18\"\xa5\x02\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.strata.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x11\n\tskip_text\x18\x05 \x01(\x08\x12\x1c\n\x0fmax_load_blocks\x18\x06 \x01(\rH\x00\x88\x01\x01\x12#\n\x16\x65xpected_cached_blocks\x18\x07 \x01(\rH\x01\x88\x01\x01\x12\x19\n\x11resume_output_ids\x18\x08 \x03(\rB\x12\n\x10_max_load_blocksB\x19\n\x17_expected_cached_blocksJ\x04\x08\x10\x10\x18\"\xed\x03\n\nTokenChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x12\n\ntext_delta\x18\x03 \x01(\t\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.strata.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.strata.v1.Usage\x12\x12\n\x08stop_str\x18\x06 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x07 \x01(\rH\x00\x12#\n\x07timings\x18\x08 \x01(\x0b\x32\x12.strata.v1.Timings\x12\x1a\n\x12\x62locks_transferred\x18\t \x01(\r\x12\x19\n\x11\x62locks_from_store\x18\n \x01(\r\x12\x19\n\x11\x62locks_recomputed\x18\x0b \x01(\r\x12\x1a\n\x12kv_fallback_reason\x18\x0c \x01(\t\x12*\n\x08logprobs\x18\r \x03(\x0b\x32\x18.strata.v1.TokenLogprobs\x12\x31\n\x0fprompt_logprobs\x18\x0e \x03(\x0b\x32\x18.strata.v1.TokenLogprobs\x12\x1f\n\x17tail_tokens_transferred\x18\x0f \x01(\rB\r\n\x0bstop_reasonJ\x04\x08\x10\x10\x14\"$\n\x10ReleaseKvRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"%\n\x11ReleaseKvResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"(\n\x12WorkerAbortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"$\n\x13WorkerAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"\x7f\n\x0eHealthResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12#\n\x04role\x18\x02 \x01(\x0e\x32\x15.strata.v1.WorkerRole\x12%\n\x05state\x18\x03 \x01(\x0e\x32\x16.strata.v1.WorkerState\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\"\x0e\n\x0cStatsRequest\"\xa5\x01\n\rStatsResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12#\n\x04load\x18\x02 \x01(\x0b\x32\x15.strata.v1.WorkerLoad\x12*\n\x05\x63\x61\x63he\x18\x03 \x01(\x0b\x32\x1b.strata.v1.WorkerCacheStats\x12\x30\n\x0bspeculative\x18\x04 \x01(\x0b\x32\x1b.strata.v1.SpeculativeStats2\xb9\x05\n\x06Worker\x12@\n\x07Prefill\x12\x19.strata.v1.PrefillRequest\x1a\x1a.strata.v1.PrefillResponse\x12H\n\rPrefillStream\x12\x19.strata.v1.PrefillRequest\x1a\x1a.strata.v1.PrefillResponse0\x01\x12;\n\x06\x44\x65\x63ode\x12\x18.strata.v1.DecodeRequest\x1a\x15.strata.v1.TokenChunk0\x01\x12\x45\n\x08Generate\x12 .strata.v1.WorkerGenerateRequest\x1a\x15.strata.v1.TokenChunk0\x01\x12\x46\n\tReleaseKv\x12\x1b.strata.v1.ReleaseKvRequest\x1a\x1c.strata.v1.ReleaseKvResponse\x12\x46\n\x05\x41\x62ort\x12\x1d.strata.v1.WorkerAbortRequest\x1a\x1e.strata.v1.WorkerAbortResponse\x12=\n\x06Health\x12\x18.strata.v1.HealthRequest\x1a\x19.strata.v1.HealthResponse\x12:\n\x05Stats\x12\x17.strata.v1.StatsRequest\x1a\x18.strata.v1.StatsResponse\x12I\n\nEvictCache\x12\x1c.strata.v1.EvictCacheRequest\x1a\x1d.strata.v1.EvictCacheResponse\x12I\n\nFlushCache\x12\x1c.strata.v1.FlushCacheRequest\x1a\x1d.strata.v1.FlushCacheResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,31 +33,31 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'strata.v1.worker_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PREFILLREQUEST']._serialized_start=62
-  _globals['_PREFILLREQUEST']._serialized_end=314
-  _globals['_PREFILLRESPONSE']._serialized_start=317
-  _globals['_PREFILLRESPONSE']._serialized_end=725
-  _globals['_DECODEREQUEST']._serialized_start=728
-  _globals['_DECODEREQUEST']._serialized_end=952
-  _globals['_WORKERGENERATEREQUEST']._serialized_start=955
-  _globals['_WORKERGENERATEREQUEST']._serialized_end=1216
-  _globals['_TOKENCHUNK']._serialized_start=1219
-  _globals['_TOKENCHUNK']._serialized_end=1712
-  _globals['_RELEASEKVREQUEST']._serialized_start=1714
-  _globals['_RELEASEKVREQUEST']._serialized_end=1750
-  _globals['_RELEASEKVRESPONSE']._serialized_start=1752
-  _globals['_RELEASEKVRESPONSE']._serialized_end=1789
-  _globals['_WORKERABORTREQUEST']._serialized_start=1791
-  _globals['_WORKERABORTREQUEST']._serialized_end=1831
-  _globals['_WORKERABORTRESPONSE']._serialized_start=1833
-  _globals['_WORKERABORTRESPONSE']._serialized_end=1869
-  _globals['_HEALTHREQUEST']._serialized_start=1871
-  _globals['_HEALTHREQUEST']._serialized_end=1886
-  _globals['_HEALTHRESPONSE']._serialized_start=1888
-  _globals['_HEALTHRESPONSE']._serialized_end=2015
-  _globals['_STATSREQUEST']._serialized_start=2017
-  _globals['_STATSREQUEST']._serialized_end=2031
-  _globals['_STATSRESPONSE']._serialized_start=2034
-  _globals['_STATSRESPONSE']._serialized_end=2199
-  _globals['_WORKER']._serialized_start=2202
-  _globals['_WORKER']._serialized_end=2899
+  _globals['_PREFILLREQUEST']._serialized_end=346
+  _globals['_PREFILLRESPONSE']._serialized_start=349
+  _globals['_PREFILLRESPONSE']._serialized_end=757
+  _globals['_DECODEREQUEST']._serialized_start=760
+  _globals['_DECODEREQUEST']._serialized_end=984
+  _globals['_WORKERGENERATEREQUEST']._serialized_start=987
+  _globals['_WORKERGENERATEREQUEST']._serialized_end=1280
+  _globals['_TOKENCHUNK']._serialized_start=1283
+  _globals['_TOKENCHUNK']._serialized_end=1776
+  _globals['_RELEASEKVREQUEST']._serialized_start=1778
+  _globals['_RELEASEKVREQUEST']._serialized_end=1814
+  _globals['_RELEASEKVRESPONSE']._serialized_start=1816
+  _globals['_RELEASEKVRESPONSE']._serialized_end=1853
+  _globals['_WORKERABORTREQUEST']._serialized_start=1855
+  _globals['_WORKERABORTREQUEST']._serialized_end=1895
+  _globals['_WORKERABORTRESPONSE']._serialized_start=1897
+  _globals['_WORKERABORTRESPONSE']._serialized_end=1933
+  _globals['_HEALTHREQUEST']._serialized_start=1935
+  _globals['_HEALTHREQUEST']._serialized_end=1950
+  _globals['_HEALTHRESPONSE']._serialized_start=1952
+  _globals['_HEALTHRESPONSE']._serialized_end=2079
+  _globals['_STATSREQUEST']._serialized_start=2081
+  _globals['_STATSREQUEST']._serialized_end=2095
+  _globals['_STATSRESPONSE']._serialized_start=2098
+  _globals['_STATSRESPONSE']._serialized_end=2263
+  _globals['_WORKER']._serialized_start=2266
+  _globals['_WORKER']._serialized_end=2963
 # @@protoc_insertion_point(module_scope)

@@ -97,6 +97,28 @@ def test_redis_killed_mid_run_is_skipped_counted_and_recovers(tmp_path, fresh_re
         assert store.stats()["redis"].healthy
 
 
+def test_the_shared_tiers_are_asked_only_about_the_blocks_the_router_expects(tmp_path, redis_server, redis_key_prefix,
+                                                                             s3_server, s3_bucket, s3_credentials):
+    """`shared_upto`: Redis and S3 are asked about the leading blocks the router's index knows of, not about the
+    rest (each question is a network round trip); the local tiers are asked about every block."""
+    s3 = S3TierConfig(bucket=s3_bucket, endpoint_url=s3_server.url, region=s3_server.region)
+    config = make_config(tmp_path, redis_server.url, redis_key_prefix, s3=s3, write_through=("redis", "s3"))
+    with TieredStore(config) as store:
+        store.put(items(0, 1, 2, 3))
+        assert store.flush(30)
+        store.tier("host").clear()
+        asked: dict[str, list] = {"redis": [], "s3": [], "disk": []}
+        for name, keys in asked.items():
+            tier = store.tier(name)
+            contains = tier.contains
+            tier.contains = lambda hashes, contains=contains, keys=keys: keys.extend(hashes) or contains(hashes)
+        assert store.lookup(HASHES[:6], shared_upto=2).tiers == ("redis", "redis")
+        assert asked["redis"] == asked["s3"] == HASHES[:2] and asked["disk"] == HASHES[:6]
+        assert store.lookup(HASHES[:6], shared_upto=0).num_hit_blocks == 0 and asked["redis"] == HASHES[:2]
+        assert store.lookup(HASHES[:6]).tiers == ("redis",) * 4  # no limit: every block asked
+        assert asked["redis"] == HASHES[:2] + HASHES[:6]
+
+
 def test_blocks_another_worker_wrote_to_s3_are_found_when_the_router_expects_them(tmp_path, s3_server, s3_bucket,
                                                                                     s3_credentials):
     """S3 answers lookups from a cached index: a block another worker stored since the last refresh looks absent,

@@ -166,6 +166,29 @@ def test_a_host_hit_installs_from_the_host_tiers_own_slots(model, order):
         loaded.release()
 
 
+def test_the_routers_expected_blocks_bound_what_the_shared_tiers_are_asked(model, monkeypatch):
+    """A request the router planned (`expected_cached_blocks` set, even to 0) asks the shared tiers about that many
+    blocks after those on the device; one without a plan (no router) asks about every block."""
+    from kvstore.config import HostTierConfig, StoreConfig
+    from kvstore.store import TieredStore
+    from strata.v1 import worker_pb2
+    from worker_common.prefix_load import load_prefix
+
+    bundle = engine_of(model)
+    _, hashes, _ = prefill_and_export(bundle, PROMPT, PARAMS)   # both blocks on the device
+    fp = bundle.fingerprint_for("")
+    more = hash_blocks(fp, PROMPT + list(range(7, 7 + 48)), 16)  # 5 full blocks: 2 on the device, 3 nowhere
+    calls = []
+    with TieredStore(StoreConfig(host=HostTierConfig(capacity_bytes=1 << 20))) as store:
+        lookup = store.lookup
+        monkeypatch.setattr(store, "lookup", lambda keys, **kw: calls.append((len(keys), kw)) or lookup(keys, **kw))
+        for plan in (worker_pb2.PrefillRequest(expected_cached_blocks=4), worker_pb2.PrefillRequest(
+                expected_cached_blocks=0), worker_pb2.PrefillRequest(), None):
+            load_prefix(bundle, store, more, fp, plan).release()
+    assert calls == [(3, {"expect": 2, "shared_upto": 2}), (3, {"expect": 0, "shared_upto": 0}),
+                     (3, {"expect": 0, "shared_upto": None}), (3, {"expect": 0, "shared_upto": None})]
+
+
 def test_a_corrupted_host_block_ends_the_lent_run_and_is_dropped(model):
     from kvstore.config import HostTierConfig, StoreConfig
     from kvstore.store import TieredStore
