@@ -123,7 +123,7 @@ class BlockHeader(NamedTuple):
 
     @property
     def encoded_len(self) -> int:
-        return self.span_start + self.scales_len + self.payload_len
+        return HEADER_SIZE + self.tokens_len + self.scales_len + self.payload_len
 
 
 class DecodedBlock(NamedTuple):

@@ -210,8 +210,8 @@ def check_prompt(params: GenerateParams, token_ids: Sequence[int], model: ModelL
     """
     if not token_ids:
         raise invalid(prompt_param, f"{prompt_param} must not be empty")
-    bad = next((t for t in token_ids if not 0 <= t < model.vocab_size), None)
-    if bad is not None:
+    if min(token_ids) < 0 or max(token_ids) >= model.vocab_size:  # NOTE: a scan in Python is ~0.1 ms per 2k tokens
+        bad = next(t for t in token_ids if not 0 <= t < model.vocab_size)
         raise invalid(ids_param, f"{ids_param} must be in [0, {model.vocab_size}), got {bad}")
     sampling = params.sampling
     bad = next((t for t, _ in sampling.logit_bias if t >= model.vocab_size), None)
