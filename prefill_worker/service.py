@@ -196,7 +196,15 @@ class PrefillService(WorkerBase):
                                                  cached_tokens=first.cached_tokens)
             handoff.kv.CopyFrom(job.response.kv)
             handoff.timings.store_ms = job.response.timings.store_ms
-            yield handoff
+            sent = False
+            try:
+                yield handoff
+                sent = True
+            finally:
+                # NOTE: a client gone after `_release_if_gone` looked: gRPC stops asking for answers without sending
+                # this one and drops the generator (GeneratorExit here); nobody will read the lease
+                if not sent and handoff.kv.lease_id:
+                    self.leases.release(handoff.kv.lease_id)
         finally:
             self.unclaim(request.request_id)
 
