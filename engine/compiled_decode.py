@@ -267,6 +267,7 @@ class CompiledDecode:
             torch._dynamo.mark_static_address(self.flat)
         self.windows = tuple(sorted({layer.attn.window for layer in model.layers}, key=lambda w: w or 0))
         self.compilations = 0
+        self.warm_seconds: dict[int, float] = {}  # bucket -> one warm step at the narrowest table (`warmup`)
         self._layers_per_block = cache.tensor.shape[1]
         # NOTE: torch.compile keeps its graphs per code object, so every engine in a process (tests build dozens)
         # would share `_forward`'s cache and its recompile limit; each instance compiles its own copy of the code.
@@ -356,6 +357,16 @@ class CompiledDecode:
             return [2]
         return [1 << i for i in range(1, self.table_width(self.max_blocks).bit_length())]
 
+    def timed(self, execute: Callable[[StepBatch], torch.Tensor], batch: StepBatch) -> float:
+        """Seconds of one more (warm) step of `batch`, the device synchronised around it."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        started = time.perf_counter()
+        execute(batch)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - started
+
     def warmup_passes(self) -> int:
         """How many times `warmup` runs each (bucket, width). On CUDA two: Inductor's CUDA graph trees run a new
         shape eagerly at its first call and record its graph at the second (measured on an H200: with one pass,
@@ -379,9 +390,11 @@ class CompiledDecode:
             t0, before = time.perf_counter(), self.compilations
             for width in widths:
                 position = self.warmup_position(width)
+                batch = StepBatch([ScheduledSeq(f"warmup-{j}", [0], position, [0] * width) for j in range(size)])
                 for _ in range(self.warmup_passes()):
-                    execute(StepBatch([ScheduledSeq(f"warmup-{j}", [0], position, [0] * width)
-                                       for j in range(size)]))
+                    execute(batch)
+                if width == widths[0]:
+                    self.warm_seconds[size] = self.timed(execute, batch)
             done = "compiled" if self.compilations > before else "ready"
             log(f"compiling the decode step: bucket {i + 1}/{len(self.buckets)} (batch {size}) {done} in "
                 f"{time.perf_counter() - t0:.1f} s" + (f" ({len(widths)} table widths)" if len(widths) > 1 else ""))

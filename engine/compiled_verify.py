@@ -140,13 +140,17 @@ class CompiledVerify(CompiledDecode):
         log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         saved = self.cache.tensor[0].clone()
         start, before = time.perf_counter(), self.compilations
-        for width in self.warmup_widths():
+        widths = self.warmup_widths()
+        for width in widths:
             position = self.warmup_position(width)
             table = [0] * max(width, self.table_width((position + self.n - 1) // self.block_size + 1))
             for size in self.buckets:
+                batch = StepBatch([ScheduledSeq(f"warmup-{j}", [0] * self.n, position, table, self.n)
+                                   for j in range(size)])
                 for _ in range(self.warmup_passes()):
-                    execute(StepBatch([ScheduledSeq(f"warmup-{j}", [0] * self.n, position, table, self.n)
-                                       for j in range(size)]))
+                    execute(batch)
+                if width == widths[0]:
+                    self.warm_seconds[size] = self.timed(execute, batch)
         self.cache.tensor[0].copy_(saved)
         log(f"verify step ({self.n} tokens per sequence) compiled for batch sizes {self.buckets} in "
             f"{time.perf_counter() - start:.1f} s ({self.compilations - before} graphs)")

@@ -145,6 +145,21 @@ class AdaptiveLength:
             return not better                                 # refresh the other mode's time
         return better
 
+    def seed(self, plain: dict[int, float], speculating: dict[int, float]) -> None:
+        """Step times measured before serving, per batch size (the compiled steps' warm-up: a plain decode step and
+        a verify step, forwards only), as each bucket's first estimate of both modes, counted as one observation
+        (serving's own steps soon outweigh it): a bucket where speculation cannot pay does not pay a probe to find
+        out, and the first refresh of the losing mode waits as long as after a measured comparison."""
+        for size in sorted(plain.keys() & speculating.keys()):
+            b = bucket(size)
+            if (b, True) in self._times or (b, False) in self._times:
+                continue
+            self._times[(b, False)], self._times[(b, True)] = _StepTime(), _StepTime()
+            self._times[(b, False)].add(plain[size])
+            self._times[(b, True)].add(speculating[size])
+            self._since_other[b] = 0
+            self._wait[b] = int(self.explore_every * max(1.0, speculating[size] / max(plain[size], 1e-9)))
+
     def _scaled_from_smaller(self, b: int) -> _StepTime | None:
         """A first estimate of a speculating step at bucket b from the largest smaller bucket that measured one,
         scaled by the batch sizes (a verify's work grows with the tokens it verifies): a large batch need not pay

@@ -28,4 +28,8 @@ def build_speculation(config: SpeculativeConfig, runner, model_config: ModelConf
         drafters["eagle"] = EagleDrafter(config.draft_model, runner.model, model_config.dtype, model_config.device,
                                          cache_config.num_blocks, cache_config.block_size, model_config.seed,
                                          model_config.path)
-    return Speculation(config, drafters, model_config.seed)
+    speculation = Speculation(config, drafters, model_config.seed)
+    plain, verify = getattr(runner, "compiled", None), getattr(runner, "compiled_verify", None)
+    if plain is not None and verify is not None:  # compiled: their warm-up timed both kinds of step
+        speculation.controller.seed(plain.warm_seconds, verify.warm_seconds)
+    return speculation

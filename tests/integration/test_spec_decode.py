@@ -193,6 +193,11 @@ def test_compiled_verify_step_gives_the_eager_tokens(target, other_draft, plain)
               num_speculative_tokens=3, speculative_adaptive=False, max_num_seqs=4, num_blocks=512)
     verify = llm.engine.runner.compiled_verify
     assert verify is not None and verify.compilations > 0
+    # their warm-up timed one step of each bucket, the controller's first estimate of both modes
+    assert sorted(verify.warm_seconds) == sorted(llm.engine.runner.compiled.warm_seconds) == verify.buckets
+    assert all(t > 0 for t in verify.warm_seconds.values())
+    controller = llm.engine.speculation.controller
+    assert all((b, mode) in controller._times for b in verify.buckets for mode in (False, True))
     calls = []
     real = verify.run_features
     verify.run_features = lambda *a: calls.append(1) or real(*a)

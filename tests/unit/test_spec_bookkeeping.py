@@ -179,6 +179,22 @@ def test_losing_mode_is_refreshed_ever_less_often():
     assert not controller.speculate_batch(16, expected=32.0)
 
 
+def test_warm_up_step_times_decide_from_the_first_step():
+    """Seeded with the compiled steps' warm-up times, a bucket where speculation cannot pay never probes it before
+    its first refresh (as long a wait as a measured loss), and one where it pays speculates at once."""
+    controller = AdaptiveLength(max_tokens=4, explore_every=8)
+    controller.seed({1: 0.010, 8: 0.010, 32: 0.010}, {1: 0.012, 8: 0.040, 32: 0.040})
+    assert controller.speculate_batch(1, expected=3.0)           # 3 tokens per 12 ms beat 1 per 10 ms
+    choices = []
+    for _ in range(32):
+        choices.append(controller.speculate_batch(32, expected=64.0))   # 64 per 40 ms lose to 32 per 10 ms
+        controller.record_step(32, choices[-1], seconds=0.040 if choices[-1] else 0.010, expected=64.0)
+    assert not any(choices)                                      # the first refresh waits 8 x 4 steps
+    assert controller.speculate_batch(32, expected=64.0)         # then the losing mode is measured again
+    controller.seed({8: 1.0}, {8: 0.001})                        # a bucket already timed keeps its times
+    assert not controller.speculate_batch(8, expected=9.0)
+
+
 def test_speculative_config_names_the_field():
     with pytest.raises(ValueError, match="speculative method"):
         SpeculativeConfig("medusa")
