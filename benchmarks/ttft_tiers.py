@@ -226,9 +226,10 @@ def plot(summary: dict[str, dict], path: str) -> None:
     names = list(summary)
     fig, ax = plt.subplots(figsize=(7, 3.5))
     bottom = [0.0] * len(names)
+    ticks = [n.replace(" (", "\n(") for n in names]  # "host (host+disk only)" on two lines
     for part in BREAKDOWN:
         values = [summary[n][part] for n in names]
-        ax.bar(names, values, bottom=bottom, label=part)
+        ax.bar(ticks, values, bottom=bottom, label=part)
         bottom = [b + v for b, v in zip(bottom, values)]
     ax.set_ylabel("TTFT (ms)")
     ax.set_title("Time to first token by the tier that holds the prefix")
