@@ -43,7 +43,6 @@ from worker_common.text_stream import TextStream, engine_params
 
 log = logging.getLogger(__name__)
 _WAIT_S = 0.1
-_EXPORT_WAIT_S = 10.0   # `_release_late`: longer than any export; past it the lease's TTL frees the blocks
 
 
 class Admitted(NamedTuple):
@@ -71,6 +70,8 @@ class PrefillJob(Tracked):
         self.failure: Failure | None = None
         self.first_output_at: float | None = None
         self.store_s = 0.0
+        self._lock = threading.Lock()
+        self._abandoned = False             # its handler ended without handing a lease over (`abandon`)
 
     def on_output(self, output: RequestOutput, now: float) -> bool:
         if not output.new_token_ids:
@@ -104,7 +105,10 @@ class PrefillJob(Tracked):
             response.kv.CopyFrom(export.handle)
             self.store_s = export.store_s
             response.timings.store_ms = ms(self.store_s)
-        self.response = response
+        with self._lock:
+            self.response, abandoned = response, self._abandoned
+        if abandoned and response.kv.lease_id:
+            self.service.leases.release(response.kv.lease_id)  # its client went away during the export
         if ends_here:
             self.first_response = response
             self.first.set()
@@ -117,6 +121,14 @@ class PrefillJob(Tracked):
         else:
             self.done.set()
         return True
+
+    def abandon(self) -> None:
+        """Its handler ends without handing the lease over (the client went away, or gRPC dropped the stream with
+        the hand-off unsent): the lease is released now, or by the export as it grants it. Any thread."""
+        with self._lock:
+            self._abandoned, response = True, self.response
+        if response is not None and response.kv.lease_id:
+            self.service.leases.release(response.kv.lease_id)
 
     def _store_prompt(self, token: int) -> None:
         """The request ends here (nothing to hand off): its prompt's full blocks still go to the store, so the
@@ -155,7 +167,7 @@ class PrefillService(WorkerBase):
         try:
             admitted = self._admit(job, context, request)
             if not self._wait(job, context, job.done):
-                self._release_late(job)
+                job.abandon()
                 return worker_pb2.PrefillResponse()
             self._check(job, context)
             if job.response is None:  # its client aborted it
@@ -170,6 +182,7 @@ class PrefillService(WorkerBase):
         """Prefill, the first token first: the hand-off's export (pinning, encoding and storing the blocks) runs
         while the router already forwards the token."""
         job = self._job(request, context)
+        handed = False      # the hand-off (or the end: no lease) reached the client
         try:
             admitted = self._admit(job, context, request)
             if not self._wait(job, context, job.first):
@@ -177,35 +190,34 @@ class PrefillService(WorkerBase):
             self._check(job, context)
             if job.first_response is None:
                 yield self._aborted(job)
+                handed = True
                 return
             first = worker_pb2.PrefillResponse()
             first.CopyFrom(job.first_response)     # its own copy: a request ending here shares `response`
             self._fill_timings(job, first.timings, admitted)
             yield first
             if first.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                handed = True
                 return
             if not self._wait(job, context, job.done):
-                self._release_late(job)
                 return
             self._check(job, context)
             if job.response is None:  # aborted during the export: no handle
                 yield self._aborted(job)
+                handed = True
                 return
             self._release_if_gone(job.response, context)
             handoff = worker_pb2.PrefillResponse(request_id=job.request_id, worker_id=self.worker_id,
                                                  cached_tokens=first.cached_tokens)
             handoff.kv.CopyFrom(job.response.kv)
             handoff.timings.store_ms = job.response.timings.store_ms
-            sent = False
-            try:
-                yield handoff
-                sent = True
-            finally:
-                # NOTE: a client gone after `_release_if_gone` looked: gRPC stops asking for answers without sending
-                # this one and drops the generator (GeneratorExit here); nobody will read the lease
-                if not sent and handoff.kv.lease_id:
-                    self.leases.release(handoff.kv.lease_id)
+            yield handoff
+            handed = True
         finally:
+            # NOTE: a client gone at any point (noticed by `_wait`, or by gRPC, which then stops asking for answers
+            # and drops this generator at a yield: GeneratorExit) leaves a lease nobody will read
+            if not handed:
+                job.abandon()
             self.unclaim(request.request_id)
 
     def _job(self, request: worker_pb2.PrefillRequest, context: grpc.ServicerContext) -> PrefillJob:
@@ -266,12 +278,6 @@ class PrefillService(WorkerBase):
     def _aborted(self, job: PrefillJob) -> worker_pb2.PrefillResponse:
         return worker_pb2.PrefillResponse(request_id=job.request_id, worker_id=self.worker_id,
                                           finish_reason=common_pb2.FINISH_REASON_ABORT)
-
-    def _release_late(self, job: PrefillJob) -> None:
-        """The client went away while the request ran: an export still running grants a lease nobody will read;
-        wait for it (it runs on the engine thread, briefly) and release it rather than hold its blocks a TTL."""
-        if job.done.wait(_EXPORT_WAIT_S) and job.response is not None and job.response.kv.lease_id:
-            self.leases.release(job.response.kv.lease_id)
 
     def _release_if_gone(self, response: worker_pb2.PrefillResponse, context: grpc.ServicerContext) -> None:
         if response.kv.lease_id and not context.is_active():

@@ -47,17 +47,34 @@ def request(rid: str, max_tokens: int = 4) -> worker_pb2.PrefillRequest:
                                      sampling=sampling_to_proto(SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
 
 
-def test_the_first_token_is_answered_while_the_hand_off_is_still_being_exported(worker, monkeypatch):
-    service, stub = worker
-    exporting, release = threading.Event(), threading.Event()
+def hold_export(service, monkeypatch) -> tuple[threading.Event, threading.Event, threading.Event]:
+    """Make the service's export wait for the test: (exporting: it started, release: let it go, exported: done)."""
+    exporting, release, exported = threading.Event(), threading.Event(), threading.Event()
     export = service.exporter.export
 
     def held_export(*args, **kwargs):
         exporting.set()
         assert release.wait(60), "the test never let the export finish"
-        return export(*args, **kwargs)
+        try:
+            return export(*args, **kwargs)
+        finally:
+            exported.set()
 
     monkeypatch.setattr(service.exporter, "export", held_export)
+    return exporting, release, exported
+
+
+def wait_for_a_release(service, released: int, live: int, what: str) -> None:
+    deadline = time.monotonic() + 20
+    while service.leases.num_released == released:
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+    assert service.leases.num_live == live
+
+
+def test_the_first_token_is_answered_while_the_hand_off_is_still_being_exported(worker, monkeypatch):
+    service, stub = worker
+    exporting, release, _ = hold_export(service, monkeypatch)
     call = stub.PrefillStream(request("held"), timeout=60)
     try:
         first = next(call)                  # arrives although the export has not returned
@@ -155,18 +172,7 @@ def test_a_client_gone_after_the_first_token_leaves_no_lease_behind(worker, monk
     """The router cancels the stream after the first token (its client went away) while the export still runs:
     the lease that export grants is released at once, not held for its TTL (30 s here)."""
     service, stub = worker
-    exporting, release, exported = threading.Event(), threading.Event(), threading.Event()
-    export = service.exporter.export
-
-    def held_export(*args, **kwargs):
-        exporting.set()
-        assert release.wait(60), "the test never let the export finish"
-        try:
-            return export(*args, **kwargs)
-        finally:
-            exported.set()
-
-    monkeypatch.setattr(service.exporter, "export", held_export)
+    exporting, release, exported = hold_export(service, monkeypatch)
     live, released = service.leases.num_live, service.leases.num_released
     call = stub.PrefillStream(request("gone"), timeout=60)
     next(call)
@@ -174,12 +180,8 @@ def test_a_client_gone_after_the_first_token_leaves_no_lease_behind(worker, monk
     call.cancel()
     time.sleep(0.3)                                  # the handler notices the cancel (it polls every 0.1 s)
     release.set()
-    assert exported.wait(30)                         # the export granted its lease...
-    deadline = time.monotonic() + 20
-    while service.leases.num_released == released:  # ...and the handler released it
-        assert time.monotonic() < deadline, "the export's lease was not released"
-        time.sleep(0.05)
-    assert service.leases.num_live == live
+    assert exported.wait(30)                         # the export granted its lease, and the handler released it
+    wait_for_a_release(service, released, live, "the export's lease was not released")
 
 
 def test_a_hand_off_the_cancelled_stream_never_sent_frees_its_lease(worker, monkeypatch):
@@ -187,15 +189,7 @@ def test_a_hand_off_the_cancelled_stream_never_sent_frees_its_lease(worker, monk
     client still looks present when it checks; the hand-off then goes to a stream gRPC has ended, which never
     sends it and drops the handler, and the lease is released there."""
     service, stub = worker
-    exporting, release = threading.Event(), threading.Event()
-    export = service.exporter.export
-
-    def held_export(*args, **kwargs):
-        exporting.set()
-        assert release.wait(60), "the test never let the export finish"
-        return export(*args, **kwargs)
-
-    monkeypatch.setattr(service.exporter, "export", held_export)
+    exporting, release, _ = hold_export(service, monkeypatch)
     monkeypatch.setattr(service, "_wait", lambda job, context, event: event.wait(60))   # never sees the cancel
     monkeypatch.setattr(service, "_release_if_gone", lambda response, context: None)     # nor finds it gone
     live, released = service.leases.num_live, service.leases.num_released
@@ -205,8 +199,4 @@ def test_a_hand_off_the_cancelled_stream_never_sent_frees_its_lease(worker, monk
     call.cancel()
     time.sleep(0.3)
     release.set()
-    deadline = time.monotonic() + 20
-    while service.leases.num_released == released:
-        assert time.monotonic() < deadline, "the lease of a hand-off nobody received was not released"
-        time.sleep(0.05)
-    assert service.leases.num_live == live
+    wait_for_a_release(service, released, live, "the lease of a hand-off nobody received was not released")
