@@ -211,11 +211,14 @@ class PrefillService(WorkerBase):
                                                  cached_tokens=first.cached_tokens)
             handoff.kv.CopyFrom(job.response.kv)
             handoff.timings.store_ms = job.response.timings.store_ms
-            yield handoff
+            # NOTE: from here the lease is the client's. gRPC drops this generator at the yield both when the client
+            # went away first (the hand-off unsent) and when it cancels the stream once it has the hand-off (a router
+            # may): the two cannot be told apart here, so a client gone in that instant leaves the lease to its TTL.
             handed = True
+            yield handoff
         finally:
-            # NOTE: a client gone at any point (noticed by `_wait`, or by gRPC, which then stops asking for answers
-            # and drops this generator at a yield: GeneratorExit) leaves a lease nobody will read
+            # NOTE: a client gone before the hand-off (noticed by `_wait`, or by gRPC, which stops asking for answers
+            # and drops this generator at the first one's yield: GeneratorExit) leaves a lease nobody will read
             if not handed:
                 job.abandon()
             self.unclaim(request.request_id)
