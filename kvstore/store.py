@@ -57,7 +57,9 @@ class HostBlocks(NamedTuple):
     """`TieredStore.borrow_host`: the leading blocks host holds, verified where they lie in shared memory."""
 
     blocks: list[codec.DecodedBlock]  # verified zero-copy views into the host tier's slots
-    slots: list[int]                  # each block's slot (a row of `HostTier.slot_rows()`)
+    slots: list[int]                  # each block's slot: a row of `rows`
+    rows: memoryview                  # every slot's bytes, `row_bytes` a slot (`HostTier.slot_rows()`)
+    row_bytes: int
     release: Callable[[], None]       # call once the blocks are used: their slots may be reused after it
     read_s: float = 0.0
     verify_s: float = 0.0
@@ -203,10 +205,11 @@ class TieredStore:
     def borrow_host(self, hashes: Sequence[BlockHash], fingerprint: bytes) -> HostBlocks | None:
         """`get` of the leading blocks host holds without copying them: verified in place and kept there (no
         eviction, no reuse of their slots) until the result's `release()`. None when the host tier cannot lend (a
-        custom host tier) or is backing off. A bad copy ends the run: counted, deleted, and the caller reads or
+        custom host tier, or none stored yet) or is backing off. A bad copy ends the run: counted, deleted, and the caller reads or
         recomputes the rest."""
-        borrow = getattr(self.host, "borrow", None)
-        if borrow is None:
+        borrow, slot_rows = getattr(self.host, "borrow", None), getattr(self.host, "slot_rows", None)
+        rows = slot_rows() if borrow is not None and slot_rows is not None else None
+        if rows is None:
             return None
         started = time.perf_counter()
         loan = self._call("host", "read", borrow, list(hashes))
@@ -225,7 +228,7 @@ class TieredStore:
                 if self._call("host", "read", self.host.delete, [key]):
                     self._events.removed("host", [key])
                 break
-        return HostBlocks(blocks, loan.slots[:len(blocks)], loan.release, read_s,
+        return HostBlocks(blocks, loan.slots[:len(blocks)], *rows, loan.release, read_s,
                           time.perf_counter() - started - read_s)
 
     def _get_hinted(self, hashes, views, fingerprint, hint, served, blocks, verify_s) -> None:

@@ -25,9 +25,9 @@ from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
 
+from engine.kv_cache import gather_rows
 from kvstore.store import TieredStore
 from worker_common.engine_loop import EngineLoop
-from engine.kv_cache import gather_rows
 from worker_common.engine_setup import EngineBundle
 from worker_common.kv_blocks import InstallResult, device_prefix_blocks, install_blocks, slot_bytes
 from worker_common.staging import StagingPool
@@ -177,7 +177,7 @@ def load_from_store(bundle: EngineBundle, store: TieredStore, hashes: Sequence[b
     found = store.lookup(list(hashes), expect=expect, shared_upto=shared_upto) if hashes else None
     lookup_s = time.perf_counter() - started
     if not found or not found.num_hit_blocks:
-        return LoadedPrefix([None] * lead, {"device": lead} if lead else {}, lookup_s, 0.0, 0.0)
+        return _device_only(lead, lookup_s)
     n = found.num_hit_blocks
     if borrow and all(tier == "host" for tier in found.tiers):
         lent = _lend_from_host(bundle, store, hashes[:n], fingerprint, lead, lookup_s)
@@ -222,20 +222,23 @@ def _lend_from_host(bundle: EngineBundle, store: TieredStore, hashes: Sequence[b
     """`load_from_store`'s payloads when host holds every block: verified where they lie, lent until `release`
     (no copy: a 124-block host hit read 1.0-1.2 ms into staging before its install). None when the host tier does
     not lend. A block gone since the lookup (evicted meanwhile) ends the run: the engine computes the rest."""
-    rows = getattr(store.host, "slot_rows", lambda: None)()
-    host = store.borrow_host(hashes, fingerprint) if rows is not None else None
+    host = store.borrow_host(hashes, fingerprint)
     if host is None:
         return None
     offset = host.blocks[0].header.span_start if host.blocks else 0
     good = _uniform_run(bundle, host.blocks, offset)
     if not good:
         host.release()
-        return LoadedPrefix([None] * lead, {"device": lead} if lead else {}, lookup_s, host.read_s, host.verify_s)
-    buf, slot_bytes = rows
-    slot_rows = torch.frombuffer(buf, dtype=torch.uint8).view(-1, slot_bytes)
+        return _device_only(lead, lookup_s, host.read_s, host.verify_s)
+    slot_rows = torch.frombuffer(host.rows, dtype=torch.uint8).view(-1, host.row_bytes)
     by_tier = {"device": lead, "host": good} if lead else {"host": good}
     return LoadedPrefix(LentPayloads(bundle, slot_rows, host.slots[:good], offset, lead), by_tier, lookup_s,
                         host.read_s, host.verify_s, host.release)
+
+
+def _device_only(lead: int, lookup_s: float, read_s: float = 0.0, verify_s: float = 0.0) -> LoadedPrefix:
+    """Nothing loaded from the store: the `lead` blocks on the device, if any."""
+    return LoadedPrefix([None] * lead, {"device": lead} if lead else {}, lookup_s, read_s, verify_s)
 
 
 def _uniform_run(bundle: EngineBundle, blocks: list, offset: int | None) -> int:
