@@ -171,6 +171,8 @@ def main() -> None:
     parser.add_argument("--table-blocks", type=int, default=16, help="blocks per sequence (cover context+steps)")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                        help="engine dtype (default: the engine's default)")
     parser.add_argument("--top", type=int, default=12, help="ops to list for the largest batch (0: none)")
     parser.add_argument("--prompt-len", type=int, default=64, help="engine mode: prompt tokens per request")
     parser.add_argument("--stream-text", action="store_true",
@@ -184,7 +186,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     sizes = [int(b) for b in args.batch.split(",")]
     engine_blocks = -(-(args.prompt_len + args.steps + 8) // 16)   # a request's table in engine mode (block 16)
-    llm = LLM(args.model, max_num_seqs=max(sizes), num_blocks=max(sizes) * max(args.table_blocks, engine_blocks) + 1)
+    dtype = {"dtype": args.dtype} if args.dtype else {}
+    llm = LLM(args.model, max_num_seqs=max(sizes), num_blocks=max(sizes) * max(args.table_blocks, engine_blocks) + 1,
+              **dtype)
     runner = llm.engine.runner
     engine = engine_rows(llm, sizes, args.prompt_len, args.steps, args.stream_text) if args.engine else []
     results = []

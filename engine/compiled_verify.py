@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from engine.batch import ScheduledSeq, StepBatch
-from engine.compiled_decode import CompiledDecode, GraphAttention, GraphMeta
+from engine.compiled_decode import CompiledDecode, GraphAttention, GraphMeta, gather_blocks
 from engine.kv_cache import KVCache
 
 
@@ -37,10 +37,9 @@ class VerifyGraphAttention(GraphAttention):
         bs = self.shape6[3]
         flat.index_put_((meta.rows + (2 * layer) * bs,), k.reshape(rows, hkv * dim))
         flat.index_put_((meta.rows + (2 * layer + 1) * bs,), v.reshape(rows, hkv * dim))
-        cache6 = flat.view(self.shape6)
         bsz = rows // self.n
-        keys, values = (cache6[:, layer, i].index_select(0, meta.tables).view(bsz, -1, hkv, dim)
-                        .permute(0, 2, 1, 3)[:, :, None, None] for i in (0, 1))           # [B, Hkv, 1, 1, S, D]
+        keys, values = (x[:, :, None, None] for x in gather_blocks(flat.view(self.shape6), layer, meta.tables))
+        # [B, Hkv, 1, 1, S, D] each
         hq = q.shape[1]
         queries = q.view(bsz, self.n, hkv, hq // hkv, dim).permute(0, 2, 3, 1, 4).float()  # [B, Hkv, G, n, D]
         scores = (queries.unsqueeze(-2) * keys.float()).sum(-1) * scale + meta.masks[window]  # [B, Hkv, G, n, S]
@@ -78,7 +77,7 @@ class CompiledVerify(CompiledDecode):
                  tables: torch.Tensor, positions: torch.Tensor, flat: torch.Tensor):
         """input_ids, rows, positions `[B, n]`; cos/sin `[B, n, 1, D]`: (logits `[B * n, V]`, hidden `[B * n, H]`)."""
         span = tables.shape[1] * self.block_size
-        meta = GraphMeta(rows.reshape(-1), tables.reshape(-1), _verify_masks(positions, span, self.windows))
+        meta = GraphMeta(rows.reshape(-1), tables, _verify_masks(positions, span, self.windows))
         caches = [(flat, i) for i in range(len(self.model.layers))]
         hidden = self.model(input_ids.reshape(-1), cos.flatten(0, 1), sin.flatten(0, 1), self.attention, caches,
                             meta)                                                   # [B * n, H]
