@@ -120,9 +120,7 @@ class CompiledVerify(CompiledDecode):
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits `[sum(num_logits), V]`: each sequence's last num_logits rows, hidden `[T, H]`: every real row),
         in batch order."""
-        args = self.inputs(batch, cos, sin)
-        self._mark(args)
-        logits, hidden = self._graph(*args)
+        logits, hidden = self._run_graph(self.inputs(batch, cos, sin))
         real, wanted = [], []
         for i, s in enumerate(batch.seqs):
             m = len(s.token_ids)
@@ -140,16 +138,18 @@ class CompiledVerify(CompiledDecode):
         saved = self.cache.tensor[0].clone()
         start, before = time.perf_counter(), self.compilations
         widths = self.warmup_widths()
-        for width in widths:
-            position = self.warmup_position(width)
-            table = [0] * max(width, self.table_width((position + self.n - 1) // self.block_size + 1))
-            for size in self.buckets:
-                batch = StepBatch([ScheduledSeq(f"warmup-{j}", [0] * self.n, position, table, self.n)
-                                   for j in range(size)])
-                for _ in range(self.warmup_passes()):
-                    execute(batch)
-                if width == widths[0]:
-                    self.warm_seconds[size] = self.timed(execute, batch)
+        with self._capturing():
+            for width in widths:
+                position = self.warmup_position(width)
+                table = [0] * max(width, self.table_width((position + self.n - 1) // self.block_size + 1))
+                for size in self.buckets:
+                    batch = StepBatch([ScheduledSeq(f"warmup-{j}", [0] * self.n, position, table, self.n)
+                                       for j in range(size)])
+                    for _ in range(self.warmup_passes()):
+                        execute(batch)
+                    if width == widths[0]:
+                        self._adopt(size)
+                        self.warm_seconds[size] = self.timed(execute, batch)
         self.cache.tensor[0].copy_(saved)
         log(f"verify step ({self.n} tokens per sequence) compiled for batch sizes {self.buckets} in "
             f"{time.perf_counter() - start:.1f} s ({self.compilations - before} graphs)")

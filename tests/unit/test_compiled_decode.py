@@ -100,6 +100,33 @@ def test_every_bucket_from_2_shares_one_graph_and_never_recompiles(checkpoint, n
     assert compiled.compiled.compilations == after_warmup, "a steady-state step recompiled"
 
 
+def test_direct_dispatch_skips_dynamo_only_where_it_gives_the_guarded_outputs(checkpoint, monkeypatch):
+    """On a CPU every bucket's steps go straight to its graph's compiled code (no guard evaluation) and still equal
+    eager; code that does not give the guarded outputs (here: the static batch-1 graph offered batch 4's inputs) is
+    not adopted; `STRATA_GUARDED_DISPATCH=1` keeps every step behind dynamo."""
+    path = checkpoint("qwen3_moe").path
+    compiled, eager = runner_pair(path, max_num_seqs=4)
+    graph = compiled.compiled
+    assert graph.direct_buckets == graph.buckets == [1, 2, 4]
+    decode_both(compiled, eager, [tokens(5 + i, seed=30 + i) for i in range(3)], steps=4)   # 3 rows -> bucket 4
+    graph._direct.pop(4)
+    decode_both(compiled, eager, [tokens(6 + i, seed=40 + i) for i in range(3)], steps=1)   # guarded: records
+    right = graph._ran[0]
+    assert right != 0 and graph.direct_buckets == [1, 2]
+    graph._ran[0] = 0                                    # compilation 0: batch 1, static shapes
+    graph._adopt(4)
+    assert graph.direct_buckets == [1, 2], "another graph's code was adopted"
+    graph._ran[0] = right
+    graph._adopt(4)
+    assert graph.direct_buckets == [1, 2, 4]
+    assert graph.compilations == 2
+
+    monkeypatch.setenv("STRATA_GUARDED_DISPATCH", "1")
+    guarded, _ = runner_pair(path, max_num_seqs=4)
+    assert guarded.compiled.direct_buckets == []
+    decode_both(guarded, eager, [tokens(5 + i, seed=50 + i) for i in range(3)], steps=3)
+
+
 # A quantized cache: the graph's K/V differ from eager ones in the last float bits (other kernels), which can move
 # a value across a quantization rounding boundary (one fp8 / int8 step in one element); measured ~5e-6 here.
 QUANT_ATOL = 2e-3
