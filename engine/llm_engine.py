@@ -159,6 +159,7 @@ class LLMEngine:
         sequence's computed tokens less its rejected drafts) to the drafters that read them."""
         seqs = step.batch.seqs
         pure_decode = all(len(s.token_ids) == 1 + s.num_draft and s.num_logits for s in seqs)
+        self.speculation.check_shadows(seqs, sampled)
         self.speculation.finish_step(seqs, sum(map(len, sampled)), pure_decode)
         if hidden is None:
             return

@@ -202,3 +202,44 @@ def test_speculative_config_names_the_field():
         SpeculativeConfig("ngram", num_speculative_tokens=0)
     with pytest.raises(ValueError, match="speculative must be one of"):
         SamplingParams(speculative="on")
+
+
+def _plain_steps(spec, request: Request, next_token, steps: int) -> list[int]:
+    """`steps` engine steps of one request with speculation judged on each: the step's drafts (if the batch
+    speculated) are dropped, the request emits `next_token(request)` as a plain decode would, and the unverified
+    draft of the step (if any) is scored. Returns the draft counts proposed per step."""
+    from engine.batch import ScheduledSeq
+    proposed = []
+    for _ in range(steps):
+        spec.propose([request])
+        proposed.append(len(request.spec_token_ids))
+        request.spec_token_ids = []
+        token = next_token(request)
+        spec.check_shadows([ScheduledSeq(request.request_id, [request.token_ids[-1]], request.num_tokens - 1, [0])],
+                           [[token]])
+        request.append_output(token)
+    return proposed
+
+
+@pytest.mark.parametrize("shadows", [True, False])
+def test_a_plain_batch_learns_its_acceptance_from_unverified_ngram_drafts(monkeypatch, shadows):
+    """A batch judged too slow to speculate (a verify costs 4 plain steps, the prior acceptance does not pay for
+    it) still scores the n-gram drafter's proposal every other step against the token emitted: a request that
+    repeats itself earns speculation back without a verify. Without the shadow drafts (the code before) it never
+    does. A request whose drafts miss stays plain."""
+    import engine.spec.speculation as speculation
+    from engine.spec.speculation import Speculation
+    if not shadows:
+        monkeypatch.setattr(speculation, "SHADOW_EVERY", 10 ** 9)
+    spec = Speculation(SpeculativeConfig(method="ngram", num_speculative_tokens=4), {"ngram": NgramDrafter(1, 3)})
+    spec.controller.seed({1: 0.001}, {1: 0.004})
+    looping = Request("loop", [5, 6, 7, 8, 9, 10, 5, 6], SamplingParams(max_tokens=200))
+    cycle = lambda r: 5 + r.num_tokens % 6               # noqa: E731 - continues 7 8 9 10 5 6 7 ...
+    proposed = _plain_steps(spec, looping, cycle, 60)
+    assert any(proposed) == shadows
+
+    spec = Speculation(SpeculativeConfig(method="ngram", num_speculative_tokens=4), {"ngram": NgramDrafter(1, 3)})
+    spec.controller.seed({1: 0.001}, {1: 0.004})
+    drifting = Request("drift", [5, 6, 7, 8, 9, 10, 5, 6], SamplingParams(max_tokens=200))
+    fresh = lambda r: 1000 + r.num_tokens                # noqa: E731 - never what came before
+    assert not any(_plain_steps(spec, drifting, fresh, 60))
