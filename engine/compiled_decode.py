@@ -471,6 +471,15 @@ class CompiledDecode:
         specialise): the second slot of block width // 2, so every width's table rounds up to exactly `width`."""
         return (width // 2) * self.block_size + 1
 
+    def _warm(self, execute: Callable[[StepBatch], torch.Tensor], batch: StepBatch, size: int, timed: bool) -> None:
+        """Run one warm-up batch of bucket `size` `warmup_passes` times; when `timed` (its first table width), then
+        adopt direct dispatch for the bucket and time one more step (`warm_seconds`)."""
+        for _ in range(self.warmup_passes()):
+            execute(batch)
+        if timed:
+            self._adopt(size)
+            self.warm_seconds[size] = self.timed(execute, batch)
+
     def warmup(self, execute: Callable[[StepBatch], torch.Tensor],
                log: Callable[[str], None] | None = None) -> None:
         """Compile and run every bucket (on CUDA at every table width, `warmup_widths`, `warmup_passes` times)
@@ -486,11 +495,7 @@ class CompiledDecode:
                     position = self.warmup_position(width)
                     batch = StepBatch([ScheduledSeq(f"warmup-{j}", [0], position, [0] * width)
                                        for j in range(size)])
-                    for _ in range(self.warmup_passes()):
-                        execute(batch)
-                    if width == widths[0]:
-                        self._adopt(size)
-                        self.warm_seconds[size] = self.timed(execute, batch)
+                    self._warm(execute, batch, size, timed=width == widths[0])
                 done = "compiled" if self.compilations > before else "ready"
                 log(f"compiling the decode step: bucket {i + 1}/{len(self.buckets)} (batch {size}) {done} in "
                     f"{time.perf_counter() - t0:.1f} s"

@@ -145,11 +145,7 @@ class CompiledVerify(CompiledDecode):
                 for size in self.buckets:
                     batch = StepBatch([ScheduledSeq(f"warmup-{j}", [0] * self.n, position, table, self.n)
                                        for j in range(size)])
-                    for _ in range(self.warmup_passes()):
-                        execute(batch)
-                    if width == widths[0]:
-                        self._adopt(size)
-                        self.warm_seconds[size] = self.timed(execute, batch)
+                    self._warm(execute, batch, size, timed=width == widths[0])
         self.cache.tensor[0].copy_(saved)
         log(f"verify step ({self.n} tokens per sequence) compiled for batch sizes {self.buckets} in "
             f"{time.perf_counter() - start:.1f} s ({self.compilations - before} graphs)")
