@@ -26,7 +26,8 @@ from engine.spec.drafter import DraftInput, Drafter, StepFeatures
 from engine.spec.verify import ACCEPT_STREAM, RESIDUAL_STREAM, verify_point_masses, verify_sampled
 
 _CHEAP = ("ngram",)     # drafters that cost next to nothing: they propose before the batch decides
-SHADOW_EVERY = 2        # `_shadow_probe`: every this many steps in a row that run no drafter
+SHADOW_EVERY = 2        # `_shadow_probe`: every this many steps in a row that run no drafter,
+SHADOW_REQUESTS = 2     # for this many requests of the batch, in turn
 
 
 @dataclass
@@ -140,22 +141,26 @@ class Speculation:
         self.stats.draft_seconds += self._step_draft
 
     def _shadow_probe(self, decoding: Sequence[Request]) -> None:
-        """On every `probe_every`-th step in a row that runs no drafter, the cheap drafters propose one token per
-        request anyway, not verified: `sample` compares it with the token the request emits.
+        """On every `SHADOW_EVERY`-th step in a row that runs no drafter, the cheap drafters propose one token for
+        `SHADOW_REQUESTS` of the requests (in turn) anyway, not verified: `check_shadows` compares it with the
+        token the request emits. A new request starts from the engine's acceptance, which these keep current.
 
         NOTE: a request learns its acceptance only from drafts that were checked. Without this, a plain-decoding
         batch never checks one, and a few early rejections keep it plain. Measured (`spec_bench.py --drafters ngram
         --batches 1,32 --workloads heldout --rounds 2`, bf16): n-gram at batch 1 on held-out text sped up 2.12x with
         speculation forced on, but the adaptive controller stayed at 0.96x; it speculated in 1% of steps. With
-        shadow drafts every 8 idle steps: 1.70x (45% of steps); every 2: 1.85x (75%), with T 0.7 at 0.99x and
-        batch 32 at 0.97x (where it does not pay). An n-gram draft is a point mass, so it is accepted with the
+        shadow drafts every 8 idle steps: 1.70x (45% of steps); every 2: 1.84-1.85x (73-75%), but batch 8 0.86-0.96x
+        (8 lookups a probe); every 2 for 2 requests: batch 1 1.83-1.95x, batch 8 0.96-1.03x, batch 32 0.99x
+        greedy and 0.99-1.00x at T 0.7 (two runs each). An n-gram draft is a point mass, so it is accepted with the
         target's probability of that token, which is also the chance that the emitted token equals it. The shadow
         check therefore estimates the same acceptance, at the cost of a lookup, without a verify."""
         self._idle_steps += 1
         if self._idle_steps % SHADOW_EVERY:
             return
         inputs = {}
-        for request in decoding:
+        start = self._idle_steps // SHADOW_EVERY * SHADOW_REQUESTS
+        for i in range(min(SHADOW_REQUESTS, len(decoding))):
+            request = decoding[(start + i) % len(decoding)]
             method = self.method_of(request)
             room = request.params.max_tokens - request.num_output_tokens - 1
             if method in _CHEAP and room > 0:
