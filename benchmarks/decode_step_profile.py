@@ -18,12 +18,18 @@ with every figure. Runs on 1 torch thread unless `--threads` says otherwise.
     OMP_NUM_THREADS=1 python benchmarks/decode_step_profile.py                   # batch 1, 8, 32
     python benchmarks/decode_step_profile.py --batch 32 --top 15 --json
     python benchmarks/decode_step_profile.py --quick --json                       # the CI smoke run
+    OMP_NUM_THREADS=1 python benchmarks/decode_step_profile.py --guarded-ab 8 --context 128 --steps 20
+
+`--guarded-ab ROUNDS` measures the compiled step's direct dispatch (engine/compiled_decode.py `_adopt`) against
+dynamo's guarded dispatch (`STRATA_GUARDED_DISPATCH=1`): two engines built in this process, runner mode, ROUNDS
+interleaved rounds (the order alternates), each round's median per batch size, then the median of those.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import time
@@ -163,6 +169,39 @@ def engine_rows(llm: LLM, sizes: list[int], prompt_len: int, steps: int, stream_
     return rows
 
 
+def guarded_ab(args: argparse.Namespace, sizes: list[int], dtype: dict) -> list[dict]:
+    """Guarded ÷ direct step time per batch size (`--guarded-ab`)."""
+    from engine.compiled_decode import ENV_GUARDED
+    blocks = max(sizes) * args.table_blocks + 1
+    llms = {"direct": LLM(args.model, max_num_seqs=max(sizes), num_blocks=blocks, **dtype)}
+    saved = os.environ.get(ENV_GUARDED)
+    os.environ[ENV_GUARDED] = "1"
+    try:
+        llms["guarded"] = LLM(args.model, max_num_seqs=max(sizes), num_blocks=blocks, **dtype)
+    finally:
+        os.environ.pop(ENV_GUARDED) if saved is None else os.environ.__setitem__(ENV_GUARDED, saved)
+    runners = {name: llm.engine.runner for name, llm in llms.items()}
+    assert runners["direct"].compiled.direct_buckets and not runners["guarded"].compiled.direct_buckets, \
+        "direct dispatch needs the compiled step on a CPU"
+    medians: dict[tuple[str, int], list[float]] = {(n, b): [] for n in runners for b in sizes}
+    for r in range(args.guarded_ab):
+        for size in sizes:
+            for name in (("direct", "guarded") if r % 2 == 0 else ("guarded", "direct")):
+                runner = runners[name]
+                times = step_times(runner, decode_steps(size, args.context, args.steps, args.table_blocks,
+                                                        runner.block_size))
+                medians[(name, size)].append(statistics.median(times))
+    rows = []
+    for size in sizes:
+        direct, guarded = (statistics.median(medians[(n, size)]) for n in ("direct", "guarded"))
+        rows.append({"batch": size, "direct_ms": 1e3 * direct, "guarded_ms": 1e3 * guarded,
+                     "guarded_over_direct": guarded / direct})
+        print(f"batch {size:>3}: direct {1e3 * direct:7.3f} ms/step | guarded {1e3 * guarded:7.3f} ms/step | "
+              f"guarded / direct {guarded / direct:.3f}x (medians of {args.guarded_ab} interleaved rounds)",
+              flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model folder (default: the bundled model)")
@@ -179,6 +218,8 @@ def main() -> None:
                         help="engine mode: requests stream text every step (default: text at the end, as generate)")
     parser.add_argument("--no-engine", dest="engine", action="store_false", help="skip the engine-step mode")
     parser.add_argument("--quick", action="store_true", help="a smoke run: batch 1 and 4, few steps, no op table")
+    parser.add_argument("--guarded-ab", type=int, default=0, metavar="ROUNDS",
+                        help="direct vs guarded dispatch of the compiled step, ROUNDS interleaved rounds (see above)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.quick:
@@ -187,6 +228,12 @@ def main() -> None:
     sizes = [int(b) for b in args.batch.split(",")]
     engine_blocks = -(-(args.prompt_len + args.steps + 8) // 16)   # a request's table in engine mode (block 16)
     dtype = {"dtype": args.dtype} if args.dtype else {}
+    if args.guarded_ab:
+        rows = guarded_ab(args, sizes, dtype)
+        if args.json:
+            print(json.dumps({"benchmark": "decode_step_profile", "mode": "guarded_ab", "context": args.context,
+                              "torch_threads": torch.get_num_threads(), "rounds": args.guarded_ab, "results": rows}))
+        return
     llm = LLM(args.model, max_num_seqs=max(sizes), num_blocks=max(sizes) * max(args.table_blocks, engine_blocks) + 1,
               **dtype)
     runner = llm.engine.runner

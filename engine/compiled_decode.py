@@ -360,8 +360,9 @@ class CompiledDecode:
         steady state here: inputs are padded to the bucket, their dtypes and devices are fixed, the context
         length is a symbolic dimension of every graph, and a test counts compilations. Measured (bundled model,
         1 thread, a guarded and a direct engine in one process, 8 interleaved rounds, medians, two runs each),
-        guarded / direct step time: bf16 1.12-1.13x at batch 1, 1.06-1.10x at 8, 1.05-1.08x at 32; fp32
-        1.14-1.34x, 1.04-1.09x, 1.03-1.04x. `STRATA_GUARDED_DISPATCH=1` turns it off."""
+        guarded / direct step time: bf16 1.12-1.21x at batch 1, 1.06-1.10x at 8, 1.05-1.08x at 32; fp32
+        1.14-1.34x, 1.04-1.09x, 1.00-1.04x (`benchmarks/decode_step_profile.py --guarded-ab`).
+        `STRATA_GUARDED_DISPATCH=1` turns it off."""
         ran, last = self._ran[0], self._last_args
         if self.device.type != "cpu" or _env_flag(ENV_GUARDED) or ran is None or ran >= len(self._codes) \
                 or last is None or last[0][0].shape[0] != size:
