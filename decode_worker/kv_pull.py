@@ -17,14 +17,13 @@ import threading
 import time
 from typing import NamedTuple, Sequence
 
-from kvstore import codec
 from kvstore.hashing import hash_block
 from kvstore.store import TieredStore
 from kvstore.transfer import (Descriptor, LeaseExpired, PeerUnavailable, TransferAgent, TransferError,
                               TransferTimeout, UnknownRegion, pack_views)
 from strata.v1 import common_pb2
 from worker_common.engine_setup import EngineBundle
-from worker_common.kv_blocks import device_prefix_blocks, slot_bytes, verified_payload
+from worker_common.kv_blocks import device_prefix_blocks, slot_bytes, verified_payloads
 from worker_common.prefix_load import load_from_store
 from worker_common.read_costs import TransferCounter
 
@@ -138,11 +137,8 @@ class KvPuller:
         return payloads, tail, reason
 
     def _verify(self, fingerprint: bytes, hashes: Sequence[bytes], views: list[memoryview]) -> tuple[list, str]:
-        payloads = []
-        for block_hash, view in zip(hashes, views):
-            try:
-                payloads.append(verified_payload(self.bundle, view, fingerprint, block_hash))
-            except codec.CorruptBlock as exc:
-                log.warning("transferred block %s failed verification: %s", bytes(block_hash).hex(), exc)
-                return payloads, "checksum mismatch"
+        payloads, failure = verified_payloads(self.bundle, views, fingerprint, hashes)
+        if failure is not None:
+            log.warning("transferred block %s failed verification: %s", bytes(hashes[len(payloads)]).hex(), failure)
+            return payloads, "checksum mismatch"
         return payloads, ""

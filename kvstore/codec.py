@@ -25,6 +25,7 @@ from array import array
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
+import numpy as np
 import xxhash
 
 from kvstore.hashing import HASH_BYTES
@@ -40,6 +41,17 @@ FLAG_TOKENS, FLAG_PARENT = 1, 2
 _BODY = struct.Struct("<4sHBBBB2x16s16s16sIIIIIIQQ20x")
 _HEADER_CHECKSUM = struct.Struct("<Q")
 HEADER_SIZE = _BODY.size + _HEADER_CHECKSUM.size
+# The same header as a numpy record, to check many blocks' headers at once (`decode_many`).
+_HEADER_RECORD = np.dtype([("magic", "S4"), ("version", "<u2"), ("algo", "u1"), ("layout_id", "u1"), ("dtype", "u1"),
+                           ("flags", "u1"), ("_pad", "V2"), ("fingerprint", "V16"), ("hash", "V16"),
+                           ("parent", "V16"), ("layers", "<u4"), ("block_size", "<u4"), ("heads", "<u4"),
+                           ("head_dim", "<u4"), ("num_tokens", "<u4"), ("scales_len", "<u4"), ("payload_len", "<u8"),
+                           ("checksum", "<u8"), ("_reserved", "V20"), ("header_checksum", "<u8")])
+assert _HEADER_RECORD.itemsize == HEADER_SIZE
+# Fields every block of a uniform run shares with the first (`decode_many`'s fast path; and the flags but the
+# parent's: a prefix's first block has no parent).
+_SHAPE_FIELDS = ("version", "algo", "layout_id", "dtype", "layers", "block_size", "heads", "head_dim",
+                 "num_tokens", "scales_len", "payload_len")
 
 # Stable wire codes: never renumber, only append.
 DTYPE_CODES: dict[str, int] = {
@@ -126,17 +138,38 @@ class BlockHeader(NamedTuple):
         return HEADER_SIZE + self.tokens_len + self.scales_len + self.payload_len
 
 
-class DecodedBlock(NamedTuple):
-    """A verified block; `tokens`, `scales` and `payload` are zero-copy views into the decoded buffer.
+class DecodedBlock:
+    """A verified block; `tokens`, `scales`, `payload` and `span` are zero-copy views into the decoded buffer, made
+    when asked for (a prefix load reads only the headers of hundreds of blocks).
 
-    `tokens` is empty when the block was encoded without token ids, `scales` when it is not quantized.
+    `tokens` is empty when the block was encoded without token ids, `scales` when it is not quantized; `span` is
+    the scales and payload together (adjacent): a quantized block's span, else the payload.
     """
 
-    header: BlockHeader
-    tokens: memoryview
-    scales: memoryview
-    payload: memoryview
-    span: memoryview          # scales and payload together (adjacent): a quantized block's span, else the payload
+    __slots__ = ("header", "_buf")
+
+    def __init__(self, header: BlockHeader, buf: memoryview) -> None:
+        self.header, self._buf = header, buf  # buf: the encoded block's bytes (format "B"), at least encoded_len
+
+    @property
+    def tokens(self) -> memoryview:
+        return self._buf[HEADER_SIZE:self.header.span_start].cast("I")
+
+    @property
+    def scales(self) -> memoryview:
+        start = self.header.span_start
+        return self._buf[start:start + self.header.scales_len]
+
+    @property
+    def payload(self) -> memoryview:
+        return self._buf[self.header.span_start + self.header.scales_len:self.header.encoded_len]
+
+    @property
+    def span(self) -> memoryview:
+        return self._buf[self.header.span_start:self.header.encoded_len]
+
+    def __repr__(self) -> str:
+        return f"DecodedBlock({self.header!r})"
 
 
 def _dtype_size(dtype: str) -> int:
@@ -260,16 +293,72 @@ def decode(buf: bytes | memoryview, expected_fingerprint: bytes, expected_hash: 
     if expected_layout is not None and header.layout != expected_layout:
         raise CorruptBlock("layout", f"expected {expected_layout}, got {header.layout}")
     _check_lengths(header, len(buf))
-    tokens_end = HEADER_SIZE + header.tokens_len
-    scales_end = tokens_end + header.scales_len
-    tokens, scales = buf[HEADER_SIZE:tokens_end], buf[tokens_end:scales_end]
-    payload = buf[scales_end:scales_end + header.payload_len]
     if _checksum(buf[HEADER_SIZE:header.encoded_len]) != header.checksum:
         raise CorruptBlock("payload_checksum", "token, scale or payload bytes do not match their checksum")
-    return DecodedBlock(header, tokens.cast("I"), scales, payload, buf[tokens_end:scales_end + header.payload_len])
+    return DecodedBlock(header, buf)
 
 
 verify = decode
+
+
+def decode_many(views: Sequence[memoryview], expected_fingerprint: bytes, expected_hashes: Sequence[bytes],
+                expected_layout: BlockLayout | None = None) -> list[DecodedBlock | CorruptBlock]:
+    """`decode` of many blocks: item i is `decode(views[i], expected_fingerprint, expected_hashes[i],
+    expected_layout)`, or the `CorruptBlock` it raises. The same checks, the headers checked together: every block
+    whose header has the first block's shape (layout, dtype, flags, token count, section lengths) is checked with
+    array operations and its checksums computed in one pass over the views; any other block (another shape, a short
+    view, any mismatch) goes through `decode` itself, which names what failed."""
+    n = len(views)
+    if n == 0:
+        return []
+    views = [v if isinstance(v, memoryview) and v.format == "B" and v.ndim == 1 else memoryview(v).cast("B")
+             for v in views]
+    sized = [len(v) >= HEADER_SIZE for v in views]
+    if not all(sized):
+        return [_decode_or_error(v, expected_fingerprint, h, expected_layout) for v, h in zip(views, expected_hashes)]
+    raw = b"".join([v[:HEADER_SIZE] for v in views])
+    rec = np.frombuffer(raw, dtype=_HEADER_RECORD)
+    first = _decode_or_error(views[0], expected_fingerprint, expected_hashes[0], expected_layout)
+    if isinstance(first, CorruptBlock):
+        return [first] + decode_many(views[1:], expected_fingerprint, expected_hashes[1:], expected_layout)
+    header = first.header
+    encoded_len = header.encoded_len
+    ok = (rec["magic"] == MAGIC) & (rec["fingerprint"] == np.void(bytes(expected_fingerprint)))
+    ok &= rec["hash"] == np.frombuffer(b"".join([bytes(h) for h in expected_hashes]), dtype="V16")
+    for field in _SHAPE_FIELDS:
+        ok &= rec[field] == rec[field][0]
+    ok &= (rec["flags"] | FLAG_PARENT) == (rec["flags"][0] | FLAG_PARENT)
+    ok &= np.fromiter(map(len, views), dtype=np.int64, count=n) >= encoded_len
+    sums = np.fromiter((xxhash.xxh3_64_intdigest(raw[i * HEADER_SIZE:i * HEADER_SIZE + _BODY.size])
+                        for i in range(n)), dtype=np.uint64, count=n)
+    ok &= sums == rec["header_checksum"]
+    fast = np.flatnonzero(ok).tolist()
+    sums = np.fromiter((xxhash.xxh3_64_intdigest(views[i][HEADER_SIZE:encoded_len]) for i in fast), dtype=np.uint64,
+                       count=len(fast))
+    good = set(np.asarray(fast, dtype=np.int64)[sums == rec["checksum"][fast]].tolist())
+    good.add(0)
+    parents = [p if f & FLAG_PARENT else None for p, f in zip(rec["parent"].tolist(), rec["flags"].tolist())]
+    checksums = rec["checksum"].tolist()
+    fingerprint, layout, dtype, num_tokens, has_tokens, scales_len, payload_len = (
+        header.fingerprint, header.layout, header.dtype, header.num_tokens, header.has_tokens, header.scales_len,
+        header.payload_len)
+    out: list[DecodedBlock | CorruptBlock] = []
+    for i, (view, block_hash) in enumerate(zip(views, expected_hashes)):
+        if i not in good:
+            out.append(_decode_or_error(view, expected_fingerprint, block_hash, expected_layout))
+            continue
+        head = BlockHeader(fingerprint, bytes(block_hash), parents[i], layout, dtype, num_tokens, has_tokens,
+                           scales_len, payload_len, checksums[i])
+        out.append(DecodedBlock(head, view))
+    return out
+
+
+def _decode_or_error(buf: memoryview, expected_fingerprint: bytes, expected_hash: bytes,
+                     expected_layout: BlockLayout | None) -> DecodedBlock | CorruptBlock:
+    try:
+        return decode(buf, expected_fingerprint, expected_hash, expected_layout)
+    except CorruptBlock as exc:
+        return exc
 
 
 def read_tokens(buf: bytes | memoryview, header: BlockHeader) -> list[int]:

@@ -216,18 +216,16 @@ class TieredStore:
         if loan is None:
             return None
         read_s = time.perf_counter() - started
+        lent = next((i for i, view in enumerate(loan.views) if view is None), len(loan.views))
         blocks: list[codec.DecodedBlock] = []
-        for key, view in zip(hashes, loan.views):
-            if view is None:
-                break
-            try:
-                blocks.append(codec.decode(view, fingerprint, key))
-            except codec.CorruptBlock as exc:
-                log.warning("host tier: dropping bad copy of %s: %s", bytes(key).hex(), exc)
+        for key, block in zip(hashes, codec.decode_many(loan.views[:lent], fingerprint, hashes[:lent])):
+            if isinstance(block, codec.CorruptBlock):
+                log.warning("host tier: dropping bad copy of %s: %s", bytes(key).hex(), block)
                 self._count("host", checksum_failures=1)
                 if self._call("host", "read", self.host.delete, [key]):
                     self._events.removed("host", [key])
                 break
+            blocks.append(block)
         return HostBlocks(blocks, loan.slots[:len(blocks)], *rows, loan.release, read_s,
                           time.perf_counter() - started - read_s)
 
@@ -254,17 +252,16 @@ class TieredStore:
         if sizes is None:
             return
         started = time.perf_counter()
-        for i, size in zip(pending, sizes):
-            if size is None:
+        got = [i for i, size in zip(pending, sizes) if size is not None]
+        sized = [views[i][:size] for i, size in zip(pending, sizes) if size is not None]
+        for i, block in zip(got, codec.decode_many(sized, fingerprint, [hashes[i] for i in got])):
+            if isinstance(block, codec.DecodedBlock):
+                blocks[i], served[i] = block, name
                 continue
-            try:
-                blocks[i] = codec.decode(views[i][:size], fingerprint, hashes[i])
-                served[i] = name
-            except codec.CorruptBlock as exc:
-                log.warning("%s tier: dropping bad copy of %s: %s", name, bytes(hashes[i]).hex(), exc)
-                self._count(name, checksum_failures=1)
-                if self._call(name, "read", self._tiers[name].delete, [hashes[i]]):
-                    self._events.removed(name, [hashes[i]])
+            log.warning("%s tier: dropping bad copy of %s: %s", name, bytes(hashes[i]).hex(), block)
+            self._count(name, checksum_failures=1)
+            if self._call(name, "read", self._tiers[name].delete, [hashes[i]]):
+                self._events.removed(name, [hashes[i]])
         with self._counter_lock:
             verify_s[0] += time.perf_counter() - started
 

@@ -67,6 +67,21 @@ def verified_payload(bundle: EngineBundle, data: memoryview, fingerprint: bytes,
     return block.span
 
 
+def verified_payloads(bundle: EngineBundle, views: Sequence[memoryview], fingerprint: bytes,
+                      hashes: Sequence[bytes]) -> tuple[list[memoryview], codec.CorruptBlock | None]:
+    """`verified_payload` of each block in turn, checked together (`codec.decode_many`): the spans of the leading
+    blocks that pass, and why the next one failed (None when all passed)."""
+    spans: list[memoryview] = []
+    for block in codec.decode_many(views, fingerprint, hashes, bundle.layout):
+        if isinstance(block, codec.CorruptBlock):
+            return spans, block
+        if block.header.dtype != bundle.kv_dtype:
+            return spans, codec.CorruptBlock("dtype", f"block is {block.header.dtype}, this worker's KV is "
+                                                      f"{bundle.kv_dtype}")
+        spans.append(block.span)
+    return spans, None
+
+
 def zero_unused_slots(bundle: EngineBundle, payload: np.ndarray, num_tokens: int) -> None:
     """Zero the K/V values of slots `num_tokens..block_size-1` of one block span (uint8 `[span_bytes]`), in place:
     a partial block must not carry whatever request held the device block before. (A quantized block's scales

@@ -200,3 +200,70 @@ def test_no_pickle_in_the_codec_module():
 def _set(buf: bytearray, offset: int, fmt: str, value: int) -> bytearray:
     struct.pack_into(fmt, buf, offset, value)
     return buf
+
+
+def _run_of_blocks(n: int) -> tuple[list[bytes], list[bytearray]]:
+    """n blocks of one prefix (the first without a parent), each in a buffer with slack after it."""
+    tokens = list(range(100, 100 + 4 * n))
+    hashes = hash_blocks(NS, tokens, 4)
+    bufs = []
+    for i, block_hash in enumerate(hashes):
+        payload = bytes((i + j * 3) % 256 for j in range(len(PAYLOAD)))
+        bufs.append(bytearray(codec.encode(FP, block_hash, LAYOUT, "float16", payload, tokens=tokens[4 * i:4 * i + 4],
+                                           parent_hash=hashes[i - 1] if i else None)) + bytearray(13))
+    return hashes, bufs
+
+
+def _same_verdicts(views, hashes, layout=None) -> list:
+    many = codec.decode_many(views, FP, hashes, layout)
+    assert len(many) == len(views)
+    for view, block_hash, got in zip(views, hashes, many):
+        try:
+            want = codec.decode(view, FP, block_hash, layout)
+        except CorruptBlock as exc:
+            assert isinstance(got, CorruptBlock) and got.reason == exc.reason, (got, exc.reason)
+            continue
+        assert isinstance(got, codec.DecodedBlock) and got.header == want.header
+        for part in ("tokens", "scales", "payload", "span"):
+            assert bytes(getattr(got, part)) == bytes(getattr(want, part)), part
+    return many
+
+
+@pytest.mark.parametrize("damage", ["none", "payload_bit", "header_bit", "hash", "fingerprint", "short_view",
+                                    "other_shape", "first_corrupt", "reseal_version", "layout"])
+def test_decode_many_gives_decode_s_verdict_for_every_block(damage):
+    """The batched check (headers as one array, checksums in one pass) names the same failure as `decode` does
+    block by block, for damage anywhere in the run, the first block included; valid blocks of another shape
+    (here: one without token ids) still decode."""
+    hashes, bufs = _run_of_blocks(6)
+    views = [memoryview(b) for b in bufs]
+    if damage == "payload_bit":
+        bufs[3][-20] ^= 0x04
+    elif damage == "header_bit":
+        bufs[2][45] ^= 0x01
+    elif damage == "hash":
+        hashes = [*hashes[:4], hashes[0], hashes[5]]
+    elif damage == "fingerprint":
+        bufs[1] = bytearray(codec.encode(NS.with_salt("t").fingerprint(), hashes[1], LAYOUT, "float16", PAYLOAD,
+                                         tokens=[1, 2, 3, 4]))
+        views[1] = memoryview(bufs[1])
+    elif damage == "short_view":
+        views[4] = views[4][:HEADER_SIZE + 10]
+    elif damage == "other_shape":
+        bufs[2] = bytearray(codec.encode(FP, hashes[2], LAYOUT, "float16", PAYLOAD, num_tokens=4))
+        views[2] = memoryview(bufs[2])
+    elif damage == "first_corrupt":
+        bufs[0][HEADER_SIZE + 3] ^= 0x80
+    elif damage == "reseal_version":
+        reseal(_set(bufs[5], 4, "<H", 7))
+    many = _same_verdicts(views, hashes, BlockLayout(2, 4, 2, 16) if damage == "layout" else LAYOUT)
+    bad = {"none": set(), "payload_bit": {3}, "header_bit": {2}, "hash": {4}, "fingerprint": {1}, "short_view": {4},
+           "other_shape": set(), "first_corrupt": {0}, "reseal_version": {5}, "layout": set(range(6))}[damage]
+    assert {i for i, b in enumerate(many) if isinstance(b, CorruptBlock)} == bad
+
+
+def test_decode_many_of_quantized_blocks_and_of_nothing():
+    assert codec.decode_many([], FP, []) == []
+    views = [memoryview(make_quantized("int8")), memoryview(make_quantized("int8"))]
+    many = _same_verdicts(views, [H1, H1])
+    assert all(bytes(b.scales) == SCALES for b in many)
