@@ -87,6 +87,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     c.add_argument("--rates", default="2,4,6,8", help="disagg: the request rates swept (the middle one is the "
                                                           "headline)")
     c.add_argument("--seconds", type=float, default=20.0, help="disagg: seconds of arrivals per run")
+    c.add_argument("--local-prefill-min-backlog-s", type=float, default=None, metavar="S",
+                   help="disagg: add a third arm, the disaggregated cluster with conditional disaggregation under "
+                        "load (long prompts may prefill on the decode worker while the prefill worker is S s behind)")
     c.add_argument("--chunk-tokens", type=int, default=0,
                    help="every worker's prefill chunk budget per step (--max-num-batched-tokens; 0 = its default)")
     p.add_argument("--compiled", action="store_true",

@@ -69,6 +69,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--local-prefill-max-tokens", type=int, default=None,
                    help="conditional disaggregation: prompts with at most this many uncached tokens prefill on "
                         "their decode worker (default: the cost model's)")
+    p.add_argument("--local-prefill-min-backlog-s", type=float, default=None,
+                   help="conditional disaggregation under load: while the prefill worker is at least this many "
+                        "seconds behind, longer prompts may prefill on their decode worker (default: never)")
     p.add_argument("--prefill-tokens-per-s", type=float, default=None, help="cost model: prefill speed")
     p.add_argument("--min-measured-samples", type=int, default=None,
                    help="cost model: samples a worker's measured prefill rate or tier read cost needs before it "
@@ -166,6 +169,8 @@ def build_router(args: argparse.Namespace) -> Router:
     changes = {}
     if args.local_prefill_max_tokens is not None:
         changes["local_prefill_max_uncached_tokens"] = args.local_prefill_max_tokens
+    if args.local_prefill_min_backlog_s is not None:
+        changes["local_prefill_min_backlog_s"] = args.local_prefill_min_backlog_s
     if args.prefill_tokens_per_s is not None:
         changes["prefill_tokens_per_s"] = args.prefill_tokens_per_s
     if args.min_measured_samples is not None:

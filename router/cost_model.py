@@ -113,6 +113,10 @@ class CostModelConfig:
         (`load_slack = inf` turns the guard off).
     local_prefill_max_uncached_tokens: conditional disaggregation. A prompt with at most this many tokens left to
         compute on the best decode worker is prefilled there (no prefill hop, no KV transfer).
+    local_prefill_min_backlog_s: conditional disaggregation under load (as Dynamo's prefill queue bound). When the
+        chosen prefill worker's backlog is at least this many seconds, a longer prompt may prefill on its decode
+        worker too (a decode-only one included), where that scores better (module docstring of router.policy);
+        inf = never.
     peer_fetch: whether a worker may load blocks that only its peers hold (pooled host tiers, DESIGN §5).
     min_measured_samples: a worker's measured figure (prefill rate: engine steps; a tier's reads: get calls)
         replaces the default above once it rests on this many samples.
@@ -128,6 +132,7 @@ class CostModelConfig:
     load_floor_s: float = 0.0
     load_cache_tolerance: float = 0.5
     local_prefill_max_uncached_tokens: int = 512
+    local_prefill_min_backlog_s: float = math.inf
     peer_fetch: bool = False
     min_measured_samples: int = 20
 
@@ -141,6 +146,8 @@ class CostModelConfig:
         _require(self.load_cache_tolerance >= 0, f"load_cache_tolerance must be >= 0, got {self.load_cache_tolerance}")
         _require(self.local_prefill_max_uncached_tokens >= 0,
                  f"local_prefill_max_uncached_tokens must be >= 0, got {self.local_prefill_max_uncached_tokens}")
+        _require(self.local_prefill_min_backlog_s >= 0,
+                 f"local_prefill_min_backlog_s must be >= 0 (inf: never), got {self.local_prefill_min_backlog_s}")
         _require(self.min_measured_samples >= 1,
                  f"min_measured_samples must be >= 1, got {self.min_measured_samples}")
 
@@ -152,6 +159,11 @@ class CostModelConfig:
         """Conditional disaggregation, the one rule: a prompt with at most `local_prefill_max_uncached_tokens` left
         to compute on the best decode worker prefills there (no prefill hop, no KV transfer)."""
         return uncached_tokens <= self.local_prefill_max_uncached_tokens
+
+    def spills_to_decode(self, prefill_backlog_s: float) -> bool:
+        """Conditional disaggregation under load: whether a prompt whose prefill worker is `prefill_backlog_s`
+        behind may prefill on its decode worker instead (where that scores better)."""
+        return prefill_backlog_s >= self.local_prefill_min_backlog_s
 
     def prefill_s(self, tokens: int) -> float:
         return tokens / self.prefill_tokens_per_s

@@ -12,9 +12,10 @@ Every policy has the same signature and is looked up by the name users write in 
 and picks the pair with the lowest ttft + recompute_weight * prefill (a recompute also costs later requests
 capacity), among the workers the load guard allows, ties broken by load, then worker id. Each worker is priced with
 its own measured prefill rate and tier read costs where it reports them (`CostModelConfig.with_measured`). Short or
-almost fully cached prompts prefill on their decode worker (conditional disaggregation). Cache salt needs no code
-here: a different salt gives different block hashes (DESIGN §3), so a tenant's blocks never match another tenant's
-query.
+almost fully cached prompts prefill on their decode worker (conditional disaggregation), and so may longer ones
+while the prefill workers are `local_prefill_min_backlog_s` behind (conditional disaggregation under load). Cache
+salt needs no code here: a different salt gives different block hashes (DESIGN §3), so a tenant's blocks never
+match another tenant's query.
 
 The load guard (`_within_guard`) keeps a hot prefix from piling every request on its holders, without breaking up
 a prefix that only one worker holds (a conversation's history). It acts once some worker's recent work is past
@@ -231,7 +232,9 @@ def kv_aware(request: RouteRequest, match: MatchResult, load: LoadView, config: 
     1. local: the best decode-capable worker prefilling the request itself (no hop). Taken outright when at most
        `local_prefill_max_uncached_tokens` tokens remain to compute there (short or almost fully cached prompts).
     2. pair: decode on the least loaded decoder d, prefill on the best prefill worker p (+ the P->D hop if p != d).
-       Taken when it scores better than local; a tie stays local.
+       Taken when it scores better than local; a tie stays local. A decode-only worker is not offered as local,
+       unless p is at least `local_prefill_min_backlog_s` behind (the prefill pool is saturated: the decode
+       worker's spare time then shortens the queue, at the price of its streams waiting out the prompt's chunks).
     """
     prefill, decode = _candidates(load)
     plans = _plans(request, match, load.workers, config)
@@ -243,8 +246,11 @@ def kv_aware(request: RouteRequest, match: MatchResult, load: LoadView, config: 
     d = min(_ratio_guard(decode, config), key=_momentary_key)  # its cache plays no part: the hand-off brings the KV
     allowed_p = _within_guard(prefill, plans, config)
     pair_key, p, ttft = _best_by_cost(allowed_p, plans, config, config.transfer_s(request.num_tokens), d.worker_id)
-    if local.can_prefill and local_key[0] <= pair_key[0]:
-        p, d, ttft = local, local, local_ttft
+    if (local.can_prefill or config.spills_to_decode(p.backlog_s)) and local_key[0] <= pair_key[0]:
+        behind_s, p, d, ttft = p.backlog_s, local, local, local_ttft
+        if not local.can_prefill:
+            return _route(p, d, local_plan, ttft, f"local prefill: {local_plan.uncached_tokens} uncached tokens, the "
+                                                  f"prefill worker {behind_s:.3f}s behind")
     plan = plans[p.worker_id]
     return _route(p, d, plan, ttft, f"cached {plan.cached_blocks}/{len(request.block_hashes)} blocks "
                                     f"({'+'.join(sorted({t for t, _ in plan.sources})) or 'none'}); "

@@ -120,6 +120,9 @@ def serve(
     no_disk: bool = typer.Option(False, "--no-disk", help="host tier only"),
     transfer: Optional[str] = typer.Option(None, help="KV transfer backend: shm, tcp or nixl (default shm)"),
     policy: Optional[str] = typer.Option(None, help="routing policy: kv_aware, round_robin, least_loaded"),
+    local_prefill_min_backlog_s: Optional[float] = typer.Option(
+        None, "--local-prefill-min-backlog-s", help="while the prefill worker is at least this many seconds behind, "
+        "long prompts may prefill on their decode worker (default: never)"),
     config: Optional[str] = typer.Option(None, "--config", help="YAML file with these options as keys"),
     log_level: Optional[str] = typer.Option(None, "--log-level", help="workers' log level (default WARNING)"),
     enforce_eager: bool = typer.Option(False, "--enforce-eager", help="workers do not compile the decode step"),
@@ -184,7 +187,7 @@ def serve(
 
     overrides = dict(prefill=prefill, decode=decode, model=model, host=host, grpc_port=grpc_port, http_port=http_port,
                      registry_port=registry_port, redis_url=redis_url, s3_url=s3_url, data_dir=data_dir,
-                     transfer=transfer, policy=policy,
+                     transfer=transfer, policy=policy, local_prefill_min_backlog_s=local_prefill_min_backlog_s,
                      log_level=log_level, disk_tier=False if no_disk else None,
                      enforce_eager=True if enforce_eager else None, quantization=quantization,
                      quant_group_size=quant_group_size, quantize_vocab=True if quantize_vocab else None,

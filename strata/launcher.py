@@ -63,6 +63,8 @@ def _require(ok: bool, message: str) -> None:
 class ServeConfig:
     """What `strata serve` starts. `data_dir` empty = a temporary folder (disk tiers), removed on stop.
     `local_prefill_max_tokens`: prompts with at most this many uncached tokens prefill on their decode worker.
+    `local_prefill_min_backlog_s`: and longer prompts too, where that scores better, while the prefill worker is at
+    least this many seconds behind (None: never; conditional disaggregation under load, `router.policy`).
     `register_workers`: workers register with the router and publish KV events to it (`--router`); False = the
     router probes their addresses instead (`--worker`; no KV events, so no prefix-aware routing).
     `speculative` (ngram, draft, eagle; None = off), `num_speculative_tokens`, `speculative_model`,
@@ -89,6 +91,7 @@ class ServeConfig:
     transfer: str = "shm"
     policy: str = "kv_aware"
     local_prefill_max_tokens: int | None = 64
+    local_prefill_min_backlog_s: float | None = None
     num_blocks: int = 1024
     host_tier_mib: int = 256
     handoff_mib: int = 64
@@ -139,6 +142,9 @@ class ServeConfig:
                  f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
         if self.s3_url:
             s3_config(self.s3_url)  # NOTE: here, in the parent: a bad bucket name fails before any process starts
+        _require(self.local_prefill_min_backlog_s is None or self.local_prefill_min_backlog_s >= 0,
+                 f"local_prefill_min_backlog_s must be >= 0 seconds (or unset: never), got "
+                 f"{self.local_prefill_min_backlog_s}")
         _require(self.tier_quota_bytes >= 0, f"tier_quota_bytes must be >= 0 (0 = none), got {self.tier_quota_bytes}")
         if self.kv_encryption_key_file:
             from kvstore.sealing import load_key  # lazy: cryptography loads only where encryption is on
@@ -262,6 +268,8 @@ def router_args_of(c: ServeConfig, model: str, worker_addresses: list[str], key_
     args += quant_args(c) + fleet_tls_args(c)
     if c.local_prefill_max_tokens is not None:
         args += ["--local-prefill-max-tokens", str(c.local_prefill_max_tokens)]
+    if c.local_prefill_min_backlog_s is not None:
+        args += ["--local-prefill-min-backlog-s", repr(float(c.local_prefill_min_backlog_s))]
     for address in worker_addresses:
         args += ["--worker", address]
     return args + key_args + list(c.router_args)

@@ -308,6 +308,32 @@ def test_almost_fully_cached_prompt_is_prefilled_on_the_decode_worker():
     assert (d.prefill_worker, d.decode_worker, d.disaggregated, d.cached_tokens) == ("d0", "d0", False, 28)
 
 
+@pytest.mark.parametrize("backlog_s, bound_s, cached_on_p", [(0.5, math.inf, False), (0.5, 0.4, False),
+                                                             (0.3, 0.4, False), (0.2, 0.1, True), (0.01, 0.0, False)])
+def test_a_long_prompt_prefills_on_its_decode_worker_only_while_the_prefill_worker_is_behind(backlog_s, bound_s,
+                                                                                             cached_on_p):
+    """Conditional disaggregation under load: a decode-only worker takes a long prompt itself when the prefill
+    worker is at least `local_prefill_min_backlog_s` behind and starting there scores better (here: 32 tokens,
+    32 ms of prefill either way, so the backlog decides, unless the prefill worker holds the prefix and what it
+    saves outweighs the wait: 0.2 s + the last block, against 32 ms at 9x for the recompute)."""
+    loads = [WorkerLoad(WorkerId("p0"), "prefill", backlog_s=backlog_s), WorkerLoad(WorkerId("d0"), "decode")]
+    index = make_index(p0=list(range(8))) if cached_on_p else make_index()
+    d = route(kv_aware, make_request(8), index, loads, CFG.replace(local_prefill_min_backlog_s=bound_s))
+    spills = backlog_s >= bound_s and not cached_on_p
+    assert (d.prefill_worker, d.disaggregated) == (("d0", False) if spills else ("p0", True))
+    assert d.decode_worker == "d0"
+    if spills:
+        assert "prefill worker 0." in d.reason and d.predicted_ttft_s == pytest.approx(0.032)
+    else:
+        assert d.predicted_ttft_s == pytest.approx(backlog_s + (0.0 if cached_on_p else 0.032), abs=1e-3)  # + hop
+
+
+def test_a_busy_decode_worker_does_not_take_the_prompt_of_a_less_busy_prefill_worker():
+    loads = [WorkerLoad(WorkerId("p0"), "prefill", backlog_s=0.5), WorkerLoad(WorkerId("d0"), "decode", backlog_s=0.6)]
+    d = route(kv_aware, make_request(8), make_index(), loads, CFG.replace(local_prefill_min_backlog_s=0.2))
+    assert (d.prefill_worker, d.decode_worker, d.disaggregated) == ("p0", "d0", True)
+
+
 def test_cache_salt_isolates_tenants():
     """Equal tokens under different salts hash differently, so one tenant's cache never serves another."""
     ns = Namespace("model", "layout", "bf16")
@@ -438,6 +464,8 @@ def test_cost_config_validates_fields():
         CostModelConfig(load_slack=-1)
     with pytest.raises(ValueError, match="load_cache_tolerance"):
         CostModelConfig(load_cache_tolerance=-0.5)
+    with pytest.raises(ValueError, match="local_prefill_min_backlog_s"):
+        CostModelConfig(local_prefill_min_backlog_s=-1.0)
 
 
 # --------------------------------------------------------------------------------------- simple baselines
