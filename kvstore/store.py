@@ -132,8 +132,9 @@ class TieredStore:
                 pending = [i for i in pending if i < shared_upto]
             pending = self._resolve(stage, hashes, pending, serving)
         leading = _leading(serving)
-        if leading < min(expect, len(hashes)) and self._refresh_shared():
-            upto = len(hashes) if shared_upto is None else min(shared_upto, len(hashes))
+        upto = len(hashes) if shared_upto is None else min(shared_upto, len(hashes))
+        wanted = [hashes[i] for i in range(min(expect, upto)) if serving[i] is None]
+        if leading < min(expect, len(hashes)) and self._refresh_shared(wanted):
             self._resolve(self._stages[-1], hashes, [i for i in range(upto) if serving[i] is None], serving)
             leading = _leading(serving)
         tiers = tuple(serving[:leading])
@@ -151,13 +152,17 @@ class TieredStore:
                     serving[i] = name
         return [i for i in pending if serving[i] is None]
 
-    def _refresh_shared(self) -> bool:
-        """Refresh the cached index of every shared tier that keeps one; whether any did."""
+    def _refresh_shared(self, wanted: Sequence[BlockHash]) -> bool:
+        """Update the cached index of every shared tier that keeps one, for the `wanted` blocks (`learn` where the
+        tier has it: it reads only what may hold them; else `refresh_index`); whether any did."""
         refreshed = False
         for name in self._names:
-            refresh = getattr(self._tiers[name], "refresh_index", None)
-            if name in SHARED_TIERS and refresh is not None:
-                refreshed = self._call(name, "read", lambda refresh=refresh: refresh() or True) or refreshed
+            tier = self._tiers[name]
+            learn, refresh = getattr(tier, "learn", None), getattr(tier, "refresh_index", None)
+            if name not in SHARED_TIERS or refresh is None:
+                continue
+            update = (lambda: learn(wanted)) if learn is not None else refresh
+            refreshed = self._call(name, "read", lambda update=update: update() or True) or refreshed
         return refreshed
 
     def _ask(self, stage: tuple[str, ...], method: str, *args: Any) -> dict[str, Any]:

@@ -63,7 +63,8 @@ from kvstore.sealing import fingerprint_of
 from kvstore.tiers.base import Tier, TierStats, TierUnavailable, register_tier
 from kvstore.tiers.redis import namespace_tag
 from kvstore.tiers.s3_pack import (PACKS, TOMBSTONES, PackIndex, PackRange, decode_pack_tail, decode_tombstone,
-                                   encode_pack, encode_tombstone, pack_count, pack_tail_bytes, plan_ranges)
+                                   encode_pack, encode_tombstone, pack_count, pack_first_hash, pack_tail_bytes,
+                                   plan_ranges)
 
 log = logging.getLogger(__name__)
 
@@ -241,6 +242,39 @@ class S3Tier(Tier):
                 self._refresh_packs()
             else:
                 self._refresh_blocks()
+
+    def learn(self, wanted: Sequence[BlockHash]) -> None:
+        """Bring the index up to date for `wanted`, blocks another process is known to have stored (the router saw
+        its KV events) since this one last listed, reading as little as it can before a lookup that waits for it:
+        one LIST of the packs, then the indexes of the new packs named after a wanted block (a prefix stored in one
+        put names its pack after its first block), concurrently; a full `refresh_index()` only if some wanted block
+        is still unknown (or the layout keeps no pack index). Tombstones and garbage wait for the next refresh (a
+        block deleted meanwhile may be read: its bytes are still its own, and the store verifies them)."""
+        wanted = {bytes(k) for k in wanted}
+        if self.layout != "pack" or self._index_at == float("-inf") or not wanted:
+            self.refresh_index()
+            return
+        with self._refresh_lock:
+            packs = self._list(self.key_base + PACKS, missing_bucket_is_empty=True)
+            with self._lock:
+                new, _ = self._packs.unread(packs, {})
+            named = {k: size for k, size in new.items() if pack_first_hash(k) in wanted}
+            reads = {k: self._reading.get(k) or self._io.submit(self._read_pack_tail, k, size)
+                     for k, size in named.items()}
+            try:
+                results = {k: f.result() for k, f in reads.items()}
+            except _BACKEND_ERRORS as exc:
+                raise self._unavailable("refresh", exc) from exc
+            finally:
+                for k in reads:
+                    self._reading.pop(k, None)
+            with self._lock:
+                for key, spans in results.items():
+                    if spans is not None:
+                        self._packs.add_pack(key, named[key], spans)
+                missing = [k for k in wanted if self._packs.find(k) is None]
+        if missing:
+            self.refresh_index()
 
     # ------------------------------------------------------------------------------------------ pack layout
 

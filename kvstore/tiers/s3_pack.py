@@ -87,6 +87,16 @@ def pack_count(key: str) -> int:
     return int(count)
 
 
+def pack_first_hash(key: str) -> bytes | None:
+    """The hash of the first block a pack's name carries (`<hash hex>-<count>-<random hex>`); None when it is not
+    one."""
+    first = key.rsplit("/", 1)[-1].split("-", 1)[0]
+    try:
+        return bytes.fromhex(first)
+    except ValueError:
+        return None
+
+
 def encode_tombstone(named: dict[str, set[bytes]], key_base: str) -> bytes:
     packs = {pack[len(key_base):]: sorted(h.hex() for h in hashes) for pack, hashes in named.items()}
     return json.dumps({"packs": packs}, sort_keys=True).encode()

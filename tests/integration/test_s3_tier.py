@@ -268,6 +268,32 @@ def test_a_second_instance_reads_the_first_ones_packs_after_refresh_index(s3_ser
     assert second.stats().blocks == 6
 
 
+def test_learn_reads_only_the_pack_named_after_a_wanted_block_and_falls_back_to_a_refresh(s3_server, s3_bucket):
+    """`learn(wanted)`: one LIST and the index of the new pack named after a wanted block, not of the other new
+    packs; wanted blocks in a pack named after another block (stored after it in one put) take a full refresh."""
+    first = make_tier(s3_server, s3_bucket)
+    second = make_tier(s3_server, s3_bucket, index_refresh_s=3600)
+    hashes, blocks = make_hashes(9), make_blocks(9)
+    assert second.contains(hashes) == [False] * 9  # its index is loaded (empty) now
+    for lo, hi in ((0, 3), (3, 6), (6, 9)):
+        first.put(list(zip(hashes[lo:hi], blocks[lo:hi])))
+    requests = Requests(second)
+
+    second.learn(hashes[3:6])
+    assert requests.take() == {"ListObjectsV2": 1, "GetObject": 1}
+    assert second.contains(hashes) == [False] * 3 + [True] * 3 + [False] * 3
+    bufs = [memoryview(bytearray(100)) for _ in range(3)]
+    assert second.get(hashes[3:6], bufs) == [len(b) for b in blocks[3:6]]
+    assert [bytes(buf[:len(b)]) for buf, b in zip(bufs, blocks[3:6])] == blocks[3:6]
+    requests.take()
+
+    second.learn(hashes[7:9])  # in the pack named after hashes[6]: not among the wanted, so a full refresh
+    assert requests.take()["GetObject"] == 2  # the two packs still unread
+    assert second.contains(hashes) == [True] * 9
+    first.close()
+    second.close()
+
+
 def test_get_reads_far_apart_blocks_of_one_pack_with_separate_ranged_gets(packs):
     hashes = make_hashes(3)
     blocks = [b"a" * 100, b"b" * (2 * MiB), b"c" * 100]  # the middle block is a gap worth a second request
