@@ -130,7 +130,9 @@ class TieredStore:
         for stage in self._stages:
             if shared_upto is not None and any(n in SHARED_TIERS for n in stage):
                 pending = [i for i in pending if i < shared_upto]
-            pending = self._resolve(stage, hashes, pending, serving)
+            # NOTE: with blocks expected, a tier with a cached index answers from it as it stands (`known`): a
+            # periodic refresh started now would compete with the targeted update below for the same server
+            pending = self._resolve(stage, hashes, pending, serving, "known" if expect else "contains")
         leading = _leading(serving)
         upto = len(hashes) if shared_upto is None else min(shared_upto, len(hashes))
         wanted = [hashes[i] for i in range(min(expect, upto)) if serving[i] is None]
@@ -141,11 +143,12 @@ class TieredStore:
         return LookupResult(leading, tiers, {n: tiers.count(n) for n in self._names})
 
     def _resolve(self, stage: tuple[str, ...], hashes: Sequence[BlockHash], pending: list[int],
-                 serving: list[str | None]) -> list[int]:
-        """Ask `stage` about the `pending` blocks, fill in `serving`; the indices still missing."""
+                 serving: list[str | None], method: str = "contains") -> list[int]:
+        """Ask `stage` about the `pending` blocks (`method`, or `contains` where a tier lacks it), fill in
+        `serving`; the indices still missing."""
         if not pending:
             return pending
-        answers = self._ask(stage, "contains", [hashes[i] for i in pending])
+        answers = self._ask(stage, method, [hashes[i] for i in pending])
         for name in stage:  # stage order is fastest first
             for i, p in zip(pending, answers.get(name) or ()):
                 if p and serving[i] is None:
@@ -168,10 +171,14 @@ class TieredStore:
     def _ask(self, stage: tuple[str, ...], method: str, *args: Any) -> dict[str, Any]:
         """`method(*args)` on each tier of a stage (shared tiers concurrently, under `lookup_timeout_s`); a tier
         that failed, was skipped or did not answer in time is absent from the answer."""
+        def call(name: str) -> Callable:
+            tier = self._tiers[name]
+            return getattr(tier, method, None) or tier.contains  # NOTE: "known" falls back to "contains"
+
         if self._io is None or not any(n in SHARED_TIERS for n in stage):
-            out = {n: self._call(n, "read", getattr(self._tiers[n], method), *args) for n in stage}
+            out = {n: self._call(n, "read", call(n), *args) for n in stage}
             return {n: v for n, v in out.items() if v is not None}
-        futures = {n: self._io.submit(self._call, n, "read", getattr(self._tiers[n], method), *args) for n in stage}
+        futures = {n: self._io.submit(self._call, n, "read", call(n), *args) for n in stage}
         wait(futures.values(), timeout=self.config.lookup_timeout_s)
         out = {}
         for name, future in futures.items():

@@ -243,6 +243,16 @@ class S3Tier(Tier):
             else:
                 self._refresh_blocks()
 
+    def known(self, keys: Sequence[BlockHash]) -> list[bool]:
+        """`contains` as the index stands, starting no periodic refresh (the first load still waits); the block
+        layout without an index asks S3 as `contains` does."""
+        if (self.layout != "pack" and self.lookup != "index") or self._index_at == float("-inf"):
+            return self.contains(keys)
+        with self._lock:
+            if self.layout == "pack":
+                return [self._packs.find(bytes(k)) is not None for k in keys]
+            return [bytes(k) in self._sizes for k in keys]
+
     def learn(self, wanted: Sequence[BlockHash]) -> None:
         """Bring the index up to date for `wanted`, blocks another process is known to have stored (the router saw
         its KV events) since this one last listed, reading as little as it can before a lookup that waits for it:
@@ -254,25 +264,23 @@ class S3Tier(Tier):
         if self.layout != "pack" or self._index_at == float("-inf") or not wanted:
             self.refresh_index()
             return
-        with self._refresh_lock:
-            packs = self._list(self.key_base + PACKS, missing_bucket_is_empty=True)
-            with self._lock:
-                new, _ = self._packs.unread(packs, {})
-            named = {k: size for k, size in new.items() if pack_first_hash(k) in wanted}
-            reads = {k: self._reading.get(k) or self._io.submit(self._read_pack_tail, k, size)
-                     for k, size in named.items()}
-            try:
-                results = {k: f.result() for k, f in reads.items()}
-            except _BACKEND_ERRORS as exc:
-                raise self._unavailable("refresh", exc) from exc
-            finally:
-                for k in reads:
-                    self._reading.pop(k, None)
-            with self._lock:
-                for key, spans in results.items():
-                    if spans is not None:
-                        self._packs.add_pack(key, named[key], spans)
-                missing = [k for k in wanted if self._packs.find(k) is None]
+        # NOTE: not under `_refresh_lock`: a periodic refresh the lookup's `contains` just started in the background
+        # (reading every new pack) would hold it; both only add to the index, under `_lock`
+        listed_at = time.monotonic()  # a refresh whose listing began earlier must not forget what this one learns
+        packs = self._list(self.key_base + PACKS, missing_bucket_is_empty=True)
+        with self._lock:
+            new, _ = self._packs.unread(packs, {})
+        named = {k: size for k, size in new.items() if pack_first_hash(k) in wanted}
+        reads = {k: self._io.submit(self._read_pack_tail, k, size) for k, size in named.items()}
+        try:
+            results = {k: f.result() for k, f in reads.items()}
+        except _BACKEND_ERRORS as exc:
+            raise self._unavailable("refresh", exc) from exc
+        with self._lock:
+            for key, spans in results.items():
+                if spans is not None and key not in self._packs.packs:
+                    self._packs.add_pack(key, named[key], spans, born=listed_at)
+            missing = [k for k in wanted if self._packs.find(k) is None]
         if missing:
             self.refresh_index()
 

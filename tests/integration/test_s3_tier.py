@@ -294,6 +294,21 @@ def test_learn_reads_only_the_pack_named_after_a_wanted_block_and_falls_back_to_
     second.close()
 
 
+def test_known_answers_from_a_stale_index_without_a_request(s3_server, s3_bucket):
+    """`known`: what a lookup the router expects hits asks first; a periodic refresh it started would compete
+    with the `learn` that follows for the same server."""
+    first, second = make_tier(s3_server, s3_bucket), make_tier(s3_server, s3_bucket, index_refresh_s=0.0)
+    hashes = make_hashes(3)
+    assert second.known(hashes) == [False] * 3  # the first answer loads the index, as `contains` does
+    first.put(list(zip(hashes, make_blocks(3))))
+    requests = Requests(second)
+    assert second.known(hashes) == [False] * 3 and requests.take() == {}
+    second.learn(hashes)
+    assert second.known(hashes) == [True] * 3
+    first.close()
+    second.close()
+
+
 def test_get_reads_far_apart_blocks_of_one_pack_with_separate_ranged_gets(packs):
     hashes = make_hashes(3)
     blocks = [b"a" * 100, b"b" * (2 * MiB), b"c" * 100]  # the middle block is a gap worth a second request
