@@ -294,13 +294,15 @@ class TieredStore:
         held = self._call("host", "read", self.host.contains, [k for k, _ in checked]) or [False] * len(checked)
         in_host = self._put_host(checked)
         queued, refused = 0, Counter()
+        owed = []
         for (key, data), was_held, ok in zip(checked, held, in_host):
             if was_held:
                 continue  # its lower-tier writes were owed when it first came in
             tiers, carried = self._owed(data, ok)
-            if not tiers:
-                continue
-            if self._writer.submit(key, tiers, carried, demotion=not self.config.write_through):
+            if tiers:
+                owed.append((key, tiers, carried, not self.config.write_through))
+        for (_, tiers, _, _), accepted in zip(owed, self._writer.submit_many(owed)):
+            if accepted:
                 queued += len(tiers)
             else:
                 refused.update(tiers)

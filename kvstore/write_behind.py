@@ -44,7 +44,7 @@ class WriteBehind:
     """One background thread draining a coalesced, bounded map of owed writes. Thread-safe."""
 
     def __init__(self, read_back: ReadBack, write: Write, on_drop: Drop, *, max_entries: int = 1 << 20,
-                 max_data_entries: int = 256, max_batch: int = 32, retry_s: float = 0.5, max_attempts: int = 6,
+                 max_data_entries: int = 256, max_batch: int = 128, retry_s: float = 0.5, max_attempts: int = 6,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._read_back, self._write, self._on_drop = read_back, write, on_drop
         self._max_entries, self._max_data = max_entries, max_data_entries
@@ -59,22 +59,33 @@ class WriteBehind:
 
     def submit(self, key: bytes, tiers: Sequence[str], data: bytes | None = None, demotion: bool = False) -> bool:
         """Owe a write of `key` to `tiers`; False when a bound refused it (the caller counts the drop)."""
+        return self.submit_many([(key, tiers, data, demotion)])[0]
+
+    def submit_many(self, owed: Sequence[tuple[bytes, Sequence[str], bytes | None, bool]]) -> list[bool]:
+        """`submit` of each (key, tiers, data, demotion), at once: the writer wakes once they are all owed, so a
+        prompt's blocks go out in as few batches as `max_batch` allows (one S3 pack, not a first batch of the
+        blocks owed before it woke and then the rest)."""
+        with self._cond:
+            accepted = [self._owe(key, tiers, data, demotion) for key, tiers, data, demotion in owed]
+            self._cond.notify()
+        return accepted
+
+    def _owe(self, key: bytes, tiers: Sequence[str], data: bytes | None, demotion: bool) -> bool:
+        """`submit`'s bookkeeping; the caller holds `_cond`."""
         if not tiers:
             return True
-        with self._cond:
-            entry = self._pending.get(key)
-            if entry is not None:  # coalesce: one entry per block, whatever asked for it
-                entry.tiers.update(tiers)
-                if data is not None and entry.data is None and self._data_entries < self._max_data:
-                    entry.data, self._data_entries = data, self._data_entries + 1
-                entry.demotion = entry.demotion or demotion
-                return True
-            if len(self._pending) >= self._max_entries or (data is not None and self._data_entries >= self._max_data):
-                return False
-            self._pending[key] = Entry(set(tiers), data, demotion)
-            self._data_entries += data is not None
-            self._cond.notify()
+        entry = self._pending.get(key)
+        if entry is not None:  # coalesce: one entry per block, whatever asked for it
+            entry.tiers.update(tiers)
+            if data is not None and entry.data is None and self._data_entries < self._max_data:
+                entry.data, self._data_entries = data, self._data_entries + 1
+            entry.demotion = entry.demotion or demotion
             return True
+        if len(self._pending) >= self._max_entries or (data is not None and self._data_entries >= self._max_data):
+            return False
+        self._pending[key] = Entry(set(tiers), data, demotion)
+        self._data_entries += data is not None
+        return True
 
     def owes(self, key: bytes) -> bool:
         """Whether `key` still owes a write and carries no bytes (they would be read back from host)."""

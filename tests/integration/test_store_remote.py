@@ -138,3 +138,22 @@ def test_blocks_another_worker_wrote_to_s3_are_found_when_the_router_expects_the
         assert found.tiers == ("s3",) * 4
         got = reader.get(HASHES[:4], [bytearray(SLOT) for _ in range(4)], FP, hint=found.tiers)
         assert got.tiers == ["s3"] * 4
+
+
+def test_a_prompt_s_blocks_put_at_once_go_to_s3_as_one_pack(tmp_path, s3_server, s3_bucket, s3_credentials):
+    """The background writer wakes once a put's blocks are all owed (`submit_many`) and takes up to 128 at a time,
+    so a prefix stored in one put is one pack: a reader learns it with one tail read and reads it with one ranged
+    GET (moto's server: each request costs ~10 ms)."""
+    import boto3
+
+    many = hash_blocks(NS, list(range(1000, 1000 + 4 * 124)), 4)
+    s3 = S3TierConfig(bucket=s3_bucket, endpoint_url=s3_server.url, region=s3_server.region)
+    config = StoreConfig(host=HostTierConfig(capacity_bytes=130 * 512, slot_bytes=512), s3=s3, write_through=("s3",))
+    with TieredStore(config) as store:
+        blocks = [codec.encode(FP, h, LAYOUT, "float16", bytes([i % 251]) * 256) for i, h in enumerate(many)]
+        assert store.put(list(zip(many, blocks))).queued == 124
+        assert store.flush(30)
+        client = boto3.client("s3", endpoint_url=s3_server.url, region_name=s3_server.region)
+        listed = client.list_objects_v2(Bucket=s3_bucket).get("Contents", [])
+        assert len([o for o in listed if "/packs/" in o["Key"]]) == 1
+        assert store.tier("s3").contains(many) == [True] * 124
