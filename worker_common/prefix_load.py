@@ -2,10 +2,11 @@
 
     lookup (fastest tier first)        -> n blocks, the tier of each
     staging = pool.acquire(n rows)     one row per encoded block, pages warm (worker_common/staging.py)
-    for each chunk of CHUNK_BLOCKS rows (one chunk of all rows when host serves every block):
+    every chunk of CHUNK_BLOCKS rows in flight at once (one chunk of all rows when host serves every block):
         get: the tiers write straight into the rows (shared tiers concurrently), the codec verifies each in place
+    for each chunk, in order, as it lands:
         on_chunk(start, payloads)      -> ChunkInstaller posts the install of these rows to the engine thread and
-                                          returns: the next chunk is read while the engine copies this one
+                                          returns: later chunks are still being read while the engine copies it
     admit(every payload)               -> blocks already installed are found on the device and pinned; any a
                                           chunk install missed is written now; then the request joins the engine
     installer.finish(), release()      -> the chunks' own pins dropped, the staging rows back to the pool
@@ -20,7 +21,7 @@ codec's scales section (empty unless the KV is quantized) and its payload, adjac
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
@@ -33,6 +34,7 @@ from worker_common.kv_blocks import InstallResult, device_prefix_blocks, install
 from worker_common.staging import StagingPool
 
 CHUNK_BLOCKS = 32   # rows read before their install is handed to the engine thread
+_READS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="strata-prefix-read")  # a load's later chunks
 STAGING = StagingPool()  # this worker's staging buffers for prefix loads
 
 OnChunk = Callable[[int, "StagedPayloads"], None]
@@ -198,18 +200,32 @@ def load_from_store(bundle: EngineBundle, store: TieredStore, hashes: Sequence[b
     if not any(tier != "host" for tier in found.tiers):
         on_chunk = None  # the admission installs them all at once
     step = CHUNK_BLOCKS if on_chunk is not None else n
-    for start in range(0, n, step):
+    starts = list(range(0, n, step))
+
+    def read(start: int):
         end = min(n, start + step)
-        result = store.get(list(hashes[start:end]), views[start:end], fingerprint, hint=found.tiers[start:end])
-        read_s, verify_s = read_s + result.read_s, verify_s + result.verify_s
-        blocks = result.blocks[:result.num_hit_blocks]
-        offset = offset if offset is not None or not blocks else blocks[0].header.span_start
-        good = _uniform_run(bundle, blocks, offset)
-        served += result.tiers[:good]
-        if good and on_chunk is not None:
-            on_chunk(lead + start, StagedPayloads(bundle, staging[start:start + good], offset, good, 0))
-        if good < end - start:
-            break
+        return store.get(list(hashes[start:end]), views[start:end], fingerprint, hint=found.tiers[start:end])
+
+    # Every chunk is in flight at once (each of a shared tier's requests costs a round trip; they overlap), and
+    # each is handed on in order as it lands, so the first chunks install while later ones are still read.
+    reading = time.perf_counter()
+    later = [_READS.submit(read, start) for start in starts[1:]]
+    try:
+        for start, pending in zip(starts, [None, *later]):
+            end = min(n, start + step)
+            result = read(start) if pending is None else pending.result()
+            verify_s += result.verify_s
+            blocks = result.blocks[:result.num_hit_blocks]
+            offset = offset if offset is not None or not blocks else blocks[0].header.span_start
+            good = _uniform_run(bundle, blocks, offset)
+            served += result.tiers[:good]
+            if good and on_chunk is not None:
+                on_chunk(lead + start, StagedPayloads(bundle, staging[start:start + good], offset, good, 0))
+            if good < end - start:
+                break
+    finally:
+        wait(later)  # NOTE: a chunk still being read writes into `staging`: never release it before
+    read_s = time.perf_counter() - reading - verify_s
     by_tier = {"device": lead} if lead else {}
     for tier in served:
         by_tier[tier] = by_tier.get(tier, 0) + 1

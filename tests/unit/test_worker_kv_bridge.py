@@ -4,6 +4,7 @@ integration tests do the same across processes)."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import pytest
 import torch
@@ -227,7 +228,8 @@ def test_staging_buffers_are_reused_only_after_release():
 
 
 def test_a_long_prefix_loads_in_chunks_installed_while_the_next_are_read(model, tmp_path):
-    """Past CHUNK_BLOCKS blocks, each verified chunk is installed on the engine thread as soon as it is read; the
+    """Past CHUNK_BLOCKS blocks, every chunk is read at once and each verified chunk is installed on the engine
+    thread, in order, as soon as it is read; the
     installed KV equals the engine that computed it, the admission finds every block on the device, and the chunks'
     own pins are dropped afterwards."""
     from kvstore.config import DiskTierConfig, HostTierConfig, StoreConfig
@@ -255,7 +257,18 @@ def test_a_long_prefix_loads_in_chunks_installed_while_the_next_are_read(model, 
             loaded.release()
             store.host.clear()  # the prefix is on disk only: worth pipelining (a host read is not)
             chunks = ChunkInstaller(loop, hashes, prompt)
+            second_chunk_read, overlapped, real_get = threading.Event(), [], store.get
+
+            def get(keys, *args, **kwargs):  # NOTE: the first chunk's read waits to see the second one start
+                if keys[0] == hashes[CHUNK_BLOCKS]:
+                    second_chunk_read.set()
+                elif keys[0] == hashes[0]:
+                    overlapped.append(second_chunk_read.wait(30))
+                return real_get(keys, *args, **kwargs)
+
+            store.get = get
             loaded = load_prefix(second, store, hashes, fp, on_chunk=chunks)
+            assert overlapped == [True]  # both chunks were in flight at once
         installed = loop.post(lambda: install_blocks(second, hashes, loaded.payloads, prompt)).result()
         assert chunks.handed == 2
         assert [r.num_written for r in chunks.done()] == [CHUNK_BLOCKS, len(hashes) - CHUNK_BLOCKS]
