@@ -313,8 +313,7 @@ def decode_many(views: Sequence[memoryview], expected_fingerprint: bytes, expect
         return []
     views = [v if isinstance(v, memoryview) and v.format == "B" and v.ndim == 1 else memoryview(v).cast("B")
              for v in views]
-    sized = [len(v) >= HEADER_SIZE for v in views]
-    if not all(sized):
+    if any(len(v) < HEADER_SIZE for v in views):
         return [_decode_or_error(v, expected_fingerprint, h, expected_layout) for v, h in zip(views, expected_hashes)]
     raw = b"".join([v[:HEADER_SIZE] for v in views])
     rec = np.frombuffer(raw, dtype=_HEADER_RECORD)

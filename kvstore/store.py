@@ -15,6 +15,7 @@
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import threading
@@ -134,11 +135,11 @@ class TieredStore:
             # periodic refresh started now would compete with the targeted update below for the same server
             pending = self._resolve(stage, hashes, pending, serving, "known" if expect else "contains")
         leading = _leading(serving)
-        upto = len(hashes) if shared_upto is None else min(shared_upto, len(hashes))
-        wanted = [hashes[i] for i in range(min(expect, upto)) if serving[i] is None]
-        if leading < min(expect, len(hashes)) and self._refresh_shared(wanted):
-            self._resolve(self._stages[-1], hashes, [i for i in range(upto) if serving[i] is None], serving)
-            leading = _leading(serving)
+        if leading < min(expect, len(hashes)):
+            upto = len(hashes) if shared_upto is None else min(shared_upto, len(hashes))
+            if self._refresh_shared([hashes[i] for i in range(min(expect, upto)) if serving[i] is None]):
+                self._resolve(self._stages[-1], hashes, [i for i in range(upto) if serving[i] is None], serving)
+                leading = _leading(serving)
         tiers = tuple(serving[:leading])
         return LookupResult(leading, tiers, {n: tiers.count(n) for n in self._names})
 
@@ -164,7 +165,7 @@ class TieredStore:
             learn, refresh = getattr(tier, "learn", None), getattr(tier, "refresh_index", None)
             if name not in SHARED_TIERS or refresh is None:
                 continue
-            update = (lambda: learn(wanted)) if learn is not None else refresh
+            update = functools.partial(learn, wanted) if learn is not None else refresh
             refreshed = self._call(name, "read", lambda update=update: update() or True) or refreshed
         return refreshed
 

@@ -247,10 +247,11 @@ def kv_aware(request: RouteRequest, match: MatchResult, load: LoadView, config: 
     allowed_p = _within_guard(prefill, plans, config)
     pair_key, p, ttft = _best_by_cost(allowed_p, plans, config, config.transfer_s(request.num_tokens), d.worker_id)
     if (local.can_prefill or config.spills_to_decode(p.backlog_s)) and local_key[0] <= pair_key[0]:
-        behind_s, p, d, ttft = p.backlog_s, local, local, local_ttft
         if not local.can_prefill:
-            return _route(p, d, local_plan, ttft, f"local prefill: {local_plan.uncached_tokens} uncached tokens, the "
-                                                  f"prefill worker {behind_s:.3f}s behind")
+            return _route(local, local, local_plan, local_ttft, f"local prefill: {local_plan.uncached_tokens} "
+                                                                f"uncached tokens, the prefill worker "
+                                                                f"{p.backlog_s:.3f}s behind")
+        p, d, ttft = local, local, local_ttft
     plan = plans[p.worker_id]
     return _route(p, d, plan, ttft, f"cached {plan.cached_blocks}/{len(request.block_hashes)} blocks "
                                     f"({'+'.join(sorted({t for t, _ in plan.sources})) or 'none'}); "

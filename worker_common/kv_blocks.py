@@ -61,10 +61,10 @@ def encode_block(out: memoryview, bundle: EngineBundle, fingerprint: bytes, bloc
 def verified_payload(bundle: EngineBundle, data: memoryview, fingerprint: bytes, block_hash: bytes) -> memoryview:
     """The span (scales and payload sections) of an encoded block after every codec check, a view of `data`;
     raises `codec.CorruptBlock` (a block of another KV dtype is one: it is never installed)."""
-    block = codec.decode(data, fingerprint, block_hash, bundle.layout)
-    if block.header.dtype != bundle.kv_dtype:
-        raise codec.CorruptBlock("dtype", f"block is {block.header.dtype}, this worker's KV is {bundle.kv_dtype}")
-    return block.span
+    spans, failure = verified_payloads(bundle, [data], fingerprint, [block_hash])
+    if failure is not None:
+        raise failure
+    return spans[0]
 
 
 def verified_payloads(bundle: EngineBundle, views: Sequence[memoryview], fingerprint: bytes,
