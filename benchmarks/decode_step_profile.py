@@ -23,6 +23,10 @@ with every figure. Runs on 1 torch thread unless `--threads` says otherwise.
 `--guarded-ab ROUNDS` measures the compiled step's direct dispatch (engine/compiled_decode.py `_adopt`) against
 dynamo's guarded dispatch (`STRATA_GUARDED_DISPATCH=1`): two engines built in this process, runner mode, ROUNDS
 interleaved rounds (the order alternates), each round's median per batch size, then the median of those.
+
+`--env-ab NAME=VALUE` (with `--ab-rounds`) measures the same way an engine built with NAME=VALUE in its environment
+against one built without: e.g. `--dtype bfloat16 --env-ab STRATA_NATIVE_BF16=1` runs the MoE paths chosen for a
+CPU with native bf16 GEMMs (engine/moe/plan.py) against this CPU's own choice.
 """
 from __future__ import annotations
 
@@ -169,37 +173,51 @@ def engine_rows(llm: LLM, sizes: list[int], prompt_len: int, steps: int, stream_
     return rows
 
 
-def guarded_ab(args: argparse.Namespace, sizes: list[int], dtype: dict) -> list[dict]:
-    """Guarded ÷ direct step time per batch size (`--guarded-ab`)."""
-    from engine.compiled_decode import ENV_GUARDED
+def env_ab(args: argparse.Namespace, sizes: list[int], dtype: dict, rounds: int, setting: str,
+           names: tuple[str, str]) -> tuple[dict, list[dict]]:
+    """Two engines built in this process, the second with `setting` (NAME=VALUE) in the environment while it is
+    built (and compiled); their runners' decode step per batch size in `rounds` interleaved rounds (the order
+    alternates). (runners, a row per batch size: each engine's median of its round medians, ms, and b / a)."""
+    a, b = names
+    env, value = setting.split("=", 1)
     blocks = max(sizes) * args.table_blocks + 1
-    llms = {"direct": LLM(args.model, max_num_seqs=max(sizes), num_blocks=blocks, **dtype)}
-    saved = os.environ.get(ENV_GUARDED)
-    os.environ[ENV_GUARDED] = "1"
+    llms = {a: LLM(args.model, max_num_seqs=max(sizes), num_blocks=blocks, **dtype)}
+    saved = os.environ.get(env)
+    os.environ[env] = value
     try:
-        llms["guarded"] = LLM(args.model, max_num_seqs=max(sizes), num_blocks=blocks, **dtype)
+        llms[b] = LLM(args.model, max_num_seqs=max(sizes), num_blocks=blocks, **dtype)
     finally:
-        os.environ.pop(ENV_GUARDED) if saved is None else os.environ.__setitem__(ENV_GUARDED, saved)
+        os.environ.pop(env) if saved is None else os.environ.__setitem__(env, saved)
     runners = {name: llm.engine.runner for name, llm in llms.items()}
-    assert runners["direct"].compiled.direct_buckets and not runners["guarded"].compiled.direct_buckets, \
-        "direct dispatch needs the compiled step on a CPU"
-    medians: dict[tuple[str, int], list[float]] = {(n, b): [] for n in runners for b in sizes}
-    for r in range(args.guarded_ab):
+    medians: dict[tuple[str, int], list[float]] = {(n, size): [] for n in runners for size in sizes}
+    for r in range(rounds):
         for size in sizes:
-            for name in (("direct", "guarded") if r % 2 == 0 else ("guarded", "direct")):
+            for name in ((a, b) if r % 2 == 0 else (b, a)):
                 runner = runners[name]
                 times = step_times(runner, decode_steps(size, args.context, args.steps, args.table_blocks,
                                                         runner.block_size))
                 medians[(name, size)].append(statistics.median(times))
     rows = []
     for size in sizes:
-        direct, guarded = (statistics.median(medians[(n, size)]) for n in ("direct", "guarded"))
-        rows.append({"batch": size, "direct_ms": 1e3 * direct, "guarded_ms": 1e3 * guarded,
-                     "guarded_over_direct": guarded / direct})
-        print(f"batch {size:>3}: direct {1e3 * direct:7.3f} ms/step | guarded {1e3 * guarded:7.3f} ms/step | "
-              f"guarded / direct {guarded / direct:.3f}x (medians of {args.guarded_ab} interleaved rounds)",
-              flush=True)
+        ta, tb = (statistics.median(medians[(n, size)]) for n in names)
+        rows.append({"batch": size, f"{a}_ms": 1e3 * ta, f"{b}_ms": 1e3 * tb, f"{b}_over_{a}": tb / ta})
+        print(f"batch {size:>3}: {a} {1e3 * ta:7.3f} ms/step | {b} {1e3 * tb:7.3f} ms/step | "
+              f"{b} / {a} {tb / ta:.3f}x (medians of {rounds} interleaved rounds)", flush=True)
+    return runners, rows
+
+
+def guarded_ab(args: argparse.Namespace, sizes: list[int], dtype: dict) -> list[dict]:
+    """Guarded ÷ direct step time per batch size (`--guarded-ab`)."""
+    from engine.compiled_decode import ENV_GUARDED
+    runners, rows = env_ab(args, sizes, dtype, args.guarded_ab, f"{ENV_GUARDED}=1", ("direct", "guarded"))
+    assert runners["direct"].compiled.direct_buckets and not runners["guarded"].compiled.direct_buckets, \
+        "direct dispatch needs the compiled step on a CPU"
     return rows
+
+
+def setting_ab(args: argparse.Namespace, sizes: list[int], dtype: dict) -> list[dict]:
+    """With `--env-ab NAME=VALUE` ÷ without, step time per batch size."""
+    return env_ab(args, sizes, dtype, args.ab_rounds, args.env_ab, ("default", args.env_ab))[1]
 
 
 def main() -> None:
@@ -220,6 +238,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a smoke run: batch 1 and 4, few steps, no op table")
     parser.add_argument("--guarded-ab", type=int, default=0, metavar="ROUNDS",
                         help="direct vs guarded dispatch of the compiled step, ROUNDS interleaved rounds (see above)")
+    parser.add_argument("--env-ab", default="", metavar="NAME=VALUE",
+                        help="an engine built with NAME=VALUE in its environment vs one without (see above)")
+    parser.add_argument("--ab-rounds", type=int, default=6, help="--env-ab: interleaved rounds")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.quick:
@@ -228,12 +249,15 @@ def main() -> None:
     sizes = [int(b) for b in args.batch.split(",")]
     engine_blocks = -(-(args.prompt_len + args.steps + 8) // 16)   # a request's table in engine mode (block 16)
     dtype = {"dtype": args.dtype} if args.dtype else {}
-    if args.guarded_ab:
-        rows = guarded_ab(args, sizes, dtype)
-        if args.json:
-            print(json.dumps({"benchmark": "decode_step_profile", "mode": "guarded_ab", "context": args.context,
-                              "torch_threads": torch.get_num_threads(), "rounds": args.guarded_ab, "results": rows}))
-        return
+    for mode, rounds, run in (("guarded_ab", args.guarded_ab, guarded_ab),
+                              ("env_ab", args.ab_rounds if args.env_ab else 0, setting_ab)):
+        if rounds:
+            rows = run(args, sizes, dtype)
+            if args.json:
+                print(json.dumps({"benchmark": "decode_step_profile", "mode": mode, "context": args.context,
+                                  "setting": args.env_ab, "torch_threads": torch.get_num_threads(), "rounds": rounds,
+                                  "results": rows}))
+            return
     llm = LLM(args.model, max_num_seqs=max(sizes), num_blocks=max(sizes) * max(args.table_blocks, engine_blocks) + 1,
               **dtype)
     runner = llm.engine.runner

@@ -13,6 +13,8 @@ from typing import NamedTuple
 
 import torch
 
+from engine.cpu_features import native_bf16_gemm
+
 CACHE_RESIDENT_BYTES = 16 << 20     # a layer's expert weights at or under this stay in the 32 MB L3 measured on
 
 # NOTE: measured medians, us per layer, CPU time of 1 thread (AMD EPYC, AVX-512 BF16), from
@@ -46,6 +48,14 @@ LOOP_EAGER_MIN_PAIRS_PER_EXPERT = 128
 CUDA_GROUPED_MAX_PAIRS_PER_EXPERT = 0.125
 
 
+# NOTE: the bf16 figures above are from a CPU with AVX-512 BF16, where one dense bf16 GEMM over every expert is
+# cheap. On an AVX2-only CPU (AMD EPYC Zen 3, the same benchmark and model, 1 thread) torch's bf16 GEMMs run 5-7x
+# slower than fp32 ones and the dense path lost everywhere: compiled T=32 13.1 ms a layer against gather's 2.65,
+# eager T=2-32 0.27-0.55x of the loop. There bf16 takes the fp32 choices (`native_bf16_gemm`); in the compiled
+# step (`decode_step_profile.py --dtype bfloat16 --env-ab STRATA_NATIVE_BF16=1`, 6 interleaved rounds) batch 32
+# ran 168 ms a step against 215 with dense, batches 1, 8, 16 and 64 0.98-1.02x.
+
+
 class MoEShape(NamedTuple):
     experts: int
     hidden: int
@@ -67,6 +77,8 @@ def choose_path(shape: MoEShape, tokens: int, top_k: int, dtype: torch.dtype, tr
     if triton_cuda:
         return "grouped" if grouped_ok and pairs_per_expert <= CUDA_GROUPED_MAX_PAIRS_PER_EXPERT else "triton"
     cached = shape.expert_bytes(dtype) <= CACHE_RESIDENT_BYTES
+    if dtype == torch.bfloat16 and not native_bf16_gemm():
+        dtype = torch.float32        # bf16 GEMMs run as slow conversions here: the fp32 choices hold (see above)
     if compiling and pairs_per_expert <= GATHER_MAX_PAIRS_PER_EXPERT.get((cached, dtype), 2):
         return "gather"
     if not compiling and (tokens == 1 or dtype == torch.float32

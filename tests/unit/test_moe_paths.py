@@ -7,6 +7,7 @@ import torch
 
 from engine.moe.local import LocalMoE
 from engine.moe.paths import PATHS, SYNC_FREE, grouped_mm_supported, loop
+from engine.moe import plan
 from engine.moe.plan import MoEShape, choose_path
 
 FUSED = ["dense", "gather", "grouped", "padded"]
@@ -128,9 +129,25 @@ def test_compiled_fullgraph_matches_loop(path, token_counts):
     ((8, 2, 256, 256), torch.bfloat16, False, {1: "loop", 2: "dense", 32: "dense", 64: "grouped", 1024: "grouped"}),
     ((64, 8, 1024, 512), torch.bfloat16, False, {1: "loop", 2: "grouped", 64: "grouped"}),
 ])
-def test_plan_picks_what_measured_fastest(shape, dtype, compiling, expected):
-    """The table in docs/moe.md (benchmarks/moe_bench.py): the fastest compiled path in every measured cell."""
+def test_plan_picks_what_measured_fastest(shape, dtype, compiling, expected, monkeypatch):
+    """The table in docs/moe.md (benchmarks/moe_bench.py, a CPU with AVX-512 BF16): the fastest compiled path in
+    every measured cell."""
+    monkeypatch.setattr(plan, "native_bf16_gemm", lambda: True)
     experts, top_k, hidden, inter = shape
     picked = {t: choose_path(MoEShape(experts, hidden, inter), t, top_k, dtype, False, compiling, True)
               for t in expected}
     assert picked == expected
+
+
+@pytest.mark.parametrize("compiling,expected", [
+    (True, {1: "gather", 8: "gather", 16: "gather", 32: "gather", 64: "gather"}),
+    (False, {1: "loop", 2: "grouped", 32: "grouped", 64: "grouped", 1024: "loop"}),
+])
+def test_plan_without_native_bf16_takes_the_fp32_choices(compiling, expected, monkeypatch):
+    """On a CPU without AVX-512 BF16 or AMX, bf16 GEMMs are slow conversions and the dense path (one bf16 GEMM over
+    every expert) lost everywhere it was measured (docs/moe.md, AVX2 table): bf16 picks what fp32 picks."""
+    monkeypatch.setattr(plan, "native_bf16_gemm", lambda: False)
+    shape = MoEShape(8, 256, 256)
+    picked = {t: choose_path(shape, t, 2, torch.bfloat16, False, compiling, True) for t in expected}
+    assert picked == expected
+    assert picked == {t: choose_path(shape, t, 2, torch.float32, False, compiling, True) for t in expected}
