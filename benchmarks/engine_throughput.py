@@ -18,7 +18,8 @@ Physical bounds, measured in this run:
   weights, one embedding row, the whole lm_head) / the copy bandwidth of a 256 MB `torch` copy (read + written
   bytes per second, median of 5) = the most tokens/s a weight-streaming decoder can make;
 - batch 32, compute: FLOPs per token (2 x active parameters incl. lm_head, plus attention at the mean context) /
-  the matmul throughput of [512x1024]x[1024x1024] in the run's dtype and thread count (median of 5).
+  the matmul throughput of [512x1024]x[1024x1024] in the run's dtype and thread count (median of 5, the faster of
+  the two layouts of the right operand).
 
     OMP_NUM_THREADS=1 python benchmarks/engine_throughput.py          # 1, 8, 32, 64 concurrent, 3 rounds
     python benchmarks/engine_throughput.py --device cuda --dtype bfloat16   # on a GPU: CUDA graphs vs eager vs HF
@@ -157,17 +158,21 @@ def copy_bandwidth(device: torch.device = torch.device("cpu"), num_bytes: int = 
 
 
 def matmul_throughput(dtype: torch.dtype, device: torch.device, repeats: int = 5) -> float:
-    """FLOP/s of [512x1024]x[1024x1024] on `device` (median of `repeats`)."""
+    """FLOP/s of [512x1024]x[1024x1024] on `device` (median of `repeats`), the faster of the right operand stored
+    by rows or by columns (on a CPU without native bf16 the layouts' bf16 speeds differ 5-12x)."""
     a, b = (torch.randn(n, 1024, dtype=dtype, device=device) for n in (512, 1024))
-    torch.mm(a, b)
-    synchronize(device)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch.mm(a, b)
+    rates = []
+    for right in (b, b.t()):                    # a @ b (rows) and a @ b^T, as `F.linear` runs a weight
+        torch.mm(a, right)
         synchronize(device)
-        times.append(time.perf_counter() - start)
-    return 2 * 512 * 1024 * 1024 / statistics.median(times)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            torch.mm(a, right)
+            synchronize(device)
+            times.append(time.perf_counter() - start)
+        rates.append(2 * 512 * 1024 * 1024 / statistics.median(times))
+    return max(rates)
 
 
 def level_row(level: int, samples: dict[str, list[float]]) -> dict:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.backend import AttentionBackend
-from engine.models.layers import Attention, DenseMLP, RMSNorm, SparseMoE, column_major
+from engine.models.layers import Attention, DenseMLP, RMSNorm, SparseMoE, column_major, columns_pay
 from engine.models.rope import RotaryTable
 from engine.models.spec import ModelSpec
 from engine.moe.backend import MoESetup
@@ -73,7 +73,8 @@ class CausalLM(nn.Module):
             self.head_weight = None
             return
         self.head_weight = (self.embed.weight if self.lm_head is None else self.lm_head).detach()  # [V, H]
-        if self.lm_head is None and self.head_weight.device.type == "cpu":
+        head = self.head_weight
+        if self.lm_head is None and head.device.type == "cpu" and columns_pay(head.dtype, head.device):
             # NOTE: tied weights: the embedding lookup wants rows contiguous, the logits GEMM wants columns (see
             # column_major; [32,256]x[256,4096] 886 -> 709 us on 1 thread), so CPU keeps a second, transposed copy.
             self.head_weight = self.head_weight.t().contiguous().t()   # [V, H], column-major storage
