@@ -152,23 +152,3 @@ def test_plan_without_native_bf16_takes_the_fp32_choices(compiling, expected, mo
     assert picked == expected
     assert picked == {t: choose_path(shape, t, 2, torch.float32, False, compiling, True) for t in expected}
 
-
-@pytest.mark.parametrize("native,dtype,warns", [(False, "bfloat16", True), (True, "bfloat16", False),
-                                                (False, "float32", False)])
-def test_runner_warns_of_bf16_without_native_bf16(tiny_checkpoint, monkeypatch, caplog, native, dtype, warns):
-    from engine.config import CacheConfig, ModelConfig
-    from engine.model_runner import ModelRunner
-    monkeypatch.setenv("STRATA_NATIVE_BF16", "1" if native else "0")
-    ckpt = tiny_checkpoint("qwen3_moe")
-    with caplog.at_level("WARNING", logger="engine.model_runner"):
-        ModelRunner(ModelConfig(str(ckpt.path), dtype=dtype, enforce_eager=True),
-                    CacheConfig(block_size=4, num_blocks=4))
-    assert any("without native bf16" in r.getMessage() for r in caplog.records) == warns
-
-
-def test_native_bf16_override(monkeypatch):
-    from engine.cpu_features import native_bf16_gemm
-    for value, expected in (("1", True), ("0", False)):
-        monkeypatch.setenv("STRATA_NATIVE_BF16", value)
-        assert native_bf16_gemm() is expected
-        assert (choose_path(MoEShape(8, 256, 256), 32, 2, torch.bfloat16, False, True, True) == "dense") is expected
