@@ -43,6 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from engine.cpu_features import fp32_gemm_min_rows  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from strata.llm import LLM  # noqa: E402
 from strata.paths import resolve_model  # noqa: E402
@@ -158,17 +159,21 @@ def copy_bandwidth(device: torch.device = torch.device("cpu"), num_bytes: int = 
 
 
 def matmul_throughput(dtype: torch.dtype, device: torch.device, repeats: int = 5) -> float:
-    """FLOP/s of [512x1024]x[1024x1024] on `device` (median of `repeats`), the faster of the right operand stored
-    by rows or by columns (on a CPU without native bf16 the layouts' bf16 speeds differ 5-12x)."""
+    """FLOP/s of [512x1024]x[1024x1024] on `device` (median of `repeats`), the fastest of the right operand stored
+    by rows or by columns (on a CPU without native bf16 the layouts' bf16 speeds differ 5-12x) and, where the engine
+    runs bf16 products in fp32 (`cpu_features.fp32_gemm_min_rows`), that conversion."""
     a, b = (torch.randn(n, 1024, dtype=dtype, device=device) for n in (512, 1024))
+    products = [lambda: torch.mm(a, b), lambda: torch.mm(a, b.t())]   # a @ b (rows) and a @ b^T, as `F.linear`
+    if fp32_gemm_min_rows(dtype, device):       # the engine converts such products to fp32 from a few rows
+        products.append(lambda: torch.mm(a.float(), b.t().float()).to(dtype))
     rates = []
-    for right in (b, b.t()):                    # a @ b (rows) and a @ b^T, as `F.linear` runs a weight
-        torch.mm(a, right)
+    for product in products:
+        product()
         synchronize(device)
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
-            torch.mm(a, right)
+            product()
             synchronize(device)
             times.append(time.perf_counter() - start)
         rates.append(2 * 512 * 1024 * 1024 / statistics.median(times))

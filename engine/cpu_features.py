@@ -23,3 +23,21 @@ def _detected() -> bool:
     cpu = getattr(torch, "cpu", None)
     checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
     return any(bool(getattr(cpu, name, lambda: False)()) for name in checks)
+
+
+ENV_FP32_ROWS = "STRATA_FP32_GEMM_MIN_ROWS"   # rows from which such a product runs in fp32; 0: never
+FP32_GEMM_MIN_ROWS = 4
+
+
+def fp32_gemm_min_rows(dtype: torch.dtype, device: torch.device) -> int:
+    """From how many rows (tokens) a linear layer of `dtype` on `device` computes its product in float32 (both
+    operands converted for the call, the result rounded back); 0: never. Only bf16/fp16 on a CPU without native
+    bf16: there `[32, 256] x [256, 4096]` takes 1.33 ms converted against 9.5 in bf16, but converting a weight each
+    call costs its bytes twice over, which small batches (weight-bound) lose. Measured in the compiled step of the
+    bundled model on an AVX2 EPYC (`decode_step_profile.py --dtype bfloat16 --env-ab STRATA_FP32_GEMM_MIN_ROWS=0`,
+    converting from 1 row against never, 5 interleaved rounds): batch 1 0.87x, 2 0.73x, 4 1.13x, 8 1.15x, 32
+    1.46x. `$STRATA_FP32_GEMM_MIN_ROWS` overrides the threshold."""
+    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16) or native_bf16_gemm():
+        return 0
+    value = os.environ.get(ENV_FP32_ROWS, "").strip()
+    return int(value) if value.isdigit() else FP32_GEMM_MIN_ROWS

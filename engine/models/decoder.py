@@ -8,11 +8,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.backend import AttentionBackend
-from engine.models.layers import Attention, DenseMLP, RMSNorm, SparseMoE, column_major, columns_pay
+from engine.cpu_features import fp32_gemm_min_rows
+from engine.models.layers import Attention, DenseMLP, RMSNorm, SparseMoE, column_major, columns_pay, linear
 from engine.models.rope import RotaryTable
 from engine.models.spec import ModelSpec
 from engine.moe.backend import MoESetup
@@ -83,4 +83,5 @@ class CausalLM(nn.Module):
         """float32 logits `[N, vocab]` for hidden rows `[N, H]`."""
         if self.quant_head is not None:
             return self.quant_head(self.norm(hidden)).float()             # [N, V]
-        return F.linear(self.norm(hidden), self.head_weight).float()      # [N, V]
+        head = self.head_weight
+        return linear(self.norm(hidden), head, None, fp32_gemm_min_rows(head.dtype, head.device)).float()  # [N, V]

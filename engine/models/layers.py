@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.backend import AttentionBackend
-from engine.cpu_features import native_bf16_gemm
+from engine.cpu_features import fp32_gemm_min_rows, native_bf16_gemm
 from engine.models.rope import apply_rotary
 from engine.models.spec import ModelSpec
 from engine.moe.backend import MoEBackend, MoESetup, make_moe_backend
@@ -86,9 +86,18 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = _weight(n_out, n_in, dtype, device)       # [n_out, n_in], column-major storage
         self.bias = _param(n_out, dtype=dtype, device=device) if bias else None
+        self.fp32_from = fp32_gemm_min_rows(dtype, torch.device(device))   # cpu_features; 0: never
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.fp32_from)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp32_from: int) -> torch.Tensor:
+    """`F.linear`, computed in float32 (the result in x's dtype) when x `[T, in]` has `fp32_from` > 0 rows or more
+    (`cpu_features.fp32_gemm_min_rows`)."""
+    if not fp32_from or x.shape[0] < fp32_from:
+        return F.linear(x, weight, bias)
+    return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
 
 
 class Attention(nn.Module):
