@@ -25,6 +25,12 @@ def _detected() -> bool:
     return any(bool(getattr(cpu, name, lambda: False)()) for name in checks)
 
 
+def slow_half_gemm(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `dtype` products on `device` are bf16/fp16 ones on a CPU without native bf16 (the slow case the
+    engine works around: weights stored by rows, fp32 products from a few rows, fp32's MoE choices)."""
+    return device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and not native_bf16_gemm()
+
+
 ENV_FP32_ROWS = "STRATA_FP32_GEMM_MIN_ROWS"   # rows from which such a product runs in fp32; 0: never
 FP32_GEMM_MIN_ROWS = 4
 
@@ -37,7 +43,7 @@ def fp32_gemm_min_rows(dtype: torch.dtype, device: torch.device) -> int:
     bundled model on an AVX2 EPYC (`decode_step_profile.py --dtype bfloat16 --env-ab STRATA_FP32_GEMM_MIN_ROWS=0`,
     converting from 1 row against never, 5 interleaved rounds): batch 1 0.87x, 2 0.73x, 4 1.13x, 8 1.15x, 32
     1.46x. `$STRATA_FP32_GEMM_MIN_ROWS` overrides the threshold."""
-    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16) or native_bf16_gemm():
+    if not slow_half_gemm(dtype, device):
         return 0
     value = os.environ.get(ENV_FP32_ROWS, "").strip()
     return int(value) if value.isdigit() else FP32_GEMM_MIN_ROWS

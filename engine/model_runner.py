@@ -15,7 +15,7 @@ from engine.attention.backend import get_attention_backend
 from engine.batch import StepBatch
 from engine.compiled_decode import CompiledDecode, eager_forced
 from engine.compiled_verify import CompiledVerify
-from engine.cpu_features import native_bf16_gemm
+from engine.cpu_features import slow_half_gemm
 from engine.kv_cache import KVCache
 from engine.loader import load_model, torch_dtype
 from engine.config import CacheConfig, ModelConfig, kv_storage_dtype
@@ -75,7 +75,7 @@ class ModelRunner:
         self.model, self.spec, self.tokenizer = loaded.model, loaded.spec, loaded.tokenizer
         self.fingerprint, self.generation_config = loaded.fingerprint, loaded.generation_config
         self.device, self.dtype = torch.device(model_config.device), torch_dtype(model_config.dtype)
-        if self.device.type == "cpu" and self.dtype == torch.bfloat16 and not native_bf16_gemm():
+        if self.dtype == torch.bfloat16 and slow_half_gemm(self.dtype, self.device):
             # NOTE: measured on an AVX2-only CPU (engine_throughput.py, 1 thread, bundled model, compiled): bf16 662
             # and 1,050 tok/s at 1 and 32 requests, float32 865 and 2,205 (bf16 before its fixes: 152 and 163)
             logger.warning("bfloat16 on a CPU without native bf16 (AVX-512 BF16 or AMX): torch's bf16 matrix products "

@@ -49,6 +49,7 @@ class CausalLM(nn.Module):
             nn.Parameter(column_major(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device),
                          requires_grad=False)
         self.head_weight: torch.Tensor | None = None      # [V, H] for logits, derived in post_load
+        self.head_fp32_from = 0                           # rows from which logits run in fp32 (post_load)
         self.quant_head: nn.Module | None = None          # a quantized LM head (engine/quant/apply.quantize_vocab)
         self.rotary = RotaryTable(spec.rope, spec.head_dim, spec.max_position_embeddings, device, dtype)
 
@@ -74,6 +75,7 @@ class CausalLM(nn.Module):
             return
         self.head_weight = (self.embed.weight if self.lm_head is None else self.lm_head).detach()  # [V, H]
         head = self.head_weight
+        self.head_fp32_from = fp32_gemm_min_rows(head.dtype, head.device)
         if self.lm_head is None and head.device.type == "cpu" and columns_pay(head.dtype, head.device):
             # NOTE: tied weights: the embedding lookup wants rows contiguous, the logits GEMM wants columns (see
             # column_major; [32,256]x[256,4096] 886 -> 709 us on 1 thread), so CPU keeps a second, transposed copy.
@@ -83,5 +85,4 @@ class CausalLM(nn.Module):
         """float32 logits `[N, vocab]` for hidden rows `[N, H]`."""
         if self.quant_head is not None:
             return self.quant_head(self.norm(hidden)).float()             # [N, V]
-        head = self.head_weight
-        return linear(self.norm(hidden), head, None, fp32_gemm_min_rows(head.dtype, head.device)).float()  # [N, V]
+        return linear(self.norm(hidden), self.head_weight, None, self.head_fp32_from).float()   # [N, V]

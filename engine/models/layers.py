@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.backend import AttentionBackend
-from engine.cpu_features import fp32_gemm_min_rows, native_bf16_gemm
+from engine.cpu_features import fp32_gemm_min_rows, slow_half_gemm
 from engine.models.rope import apply_rotary
 from engine.models.spec import ModelSpec
 from engine.moe.backend import MoEBackend, MoESetup, make_moe_backend
@@ -62,7 +62,7 @@ def columns_pay(dtype: torch.dtype, device: torch.device) -> bool:
     NOTE: there the transposed layout sends torch's bf16 GEMM down a path 5-12x slower than the plain one
     (AVX2-only AMD EPYC, 1 thread, `[M, 256] x [256, N]`: M=32 N=4096 115.8 vs 9.5 ms, M=8 N=512 1.66 vs 0.33 ms),
     while in fp32 both layouts run within 10% there."""
-    return not (device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and not native_bf16_gemm())
+    return not slow_half_gemm(dtype, device)
 
 
 def _weight(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
