@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine import cpu_kernels
 from engine.attention.backend import AttentionBackend
 from engine.cpu_features import fp32_gemm_min_rows
 from engine.models.layers import Attention, DenseMLP, RMSNorm, SparseMoE, column_major, columns_pay, linear
@@ -50,6 +51,7 @@ class CausalLM(nn.Module):
                          requires_grad=False)
         self.head_weight: torch.Tensor | None = None      # [V, H] for logits, derived in post_load
         self.head_fp32_from = 0                           # rows from which logits run in fp32 (post_load)
+        self.head_kernel_rows = 0                         # rows up to which logits run the CPU kernel (post_load)
         self.quant_head: nn.Module | None = None          # a quantized LM head (engine/quant/apply.quantize_vocab)
         self.rotary = RotaryTable(spec.rope, spec.head_dim, spec.max_position_embeddings, device, dtype)
 
@@ -76,6 +78,7 @@ class CausalLM(nn.Module):
         self.head_weight = (self.embed.weight if self.lm_head is None else self.lm_head).detach()  # [V, H]
         head = self.head_weight
         self.head_fp32_from = fp32_gemm_min_rows(head.dtype, head.device)
+        self.head_kernel_rows = cpu_kernels.linear_max_rows(head.dtype, head.device)
         if self.lm_head is None and head.device.type == "cpu" and columns_pay(head.dtype, head.device):
             # NOTE: tied weights: the embedding lookup wants rows contiguous, the logits GEMM wants columns (see
             # column_major; [32,256]x[256,4096] 886 -> 709 us on 1 thread), so CPU keeps a second, transposed copy.
@@ -85,4 +88,5 @@ class CausalLM(nn.Module):
         """float32 logits `[N, vocab]` for hidden rows `[N, H]`."""
         if self.quant_head is not None:
             return self.quant_head(self.norm(hidden)).float()             # [N, V]
-        return linear(self.norm(hidden), self.head_weight, None, self.head_fp32_from).float()   # [N, V]
+        return linear(self.norm(hidden), self.head_weight, None, self.head_fp32_from,
+                      self.head_kernel_rows).float()                      # [N, V]

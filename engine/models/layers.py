@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import cpu_kernels
 from engine.attention.backend import AttentionBackend
 from engine.cpu_features import fp32_gemm_min_rows, slow_half_gemm
 from engine.models.rope import apply_rotary
@@ -87,14 +88,19 @@ class Linear(nn.Module):
         self.weight = _weight(n_out, n_in, dtype, device)       # [n_out, n_in], column-major storage
         self.bias = _param(n_out, dtype=dtype, device=device) if bias else None
         self.fp32_from = fp32_gemm_min_rows(dtype, torch.device(device))   # cpu_features; 0: never
+        self.kernel_rows = cpu_kernels.linear_max_rows(dtype, torch.device(device))   # 0: never
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.fp32_from)
+        return linear(x, self.weight, self.bias, self.fp32_from, self.kernel_rows)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp32_from: int) -> torch.Tensor:
-    """`F.linear`, computed in float32 (the result in x's dtype) when x `[T, in]` has `fp32_from` > 0 rows or more
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp32_from: int,
+           kernel_rows: int = 0) -> torch.Tensor:
+    """`F.linear`; for x `[T, in]` of up to `kernel_rows` rows by Strata's CPU kernel (`cpu_kernels.linear`, weights
+    stored by rows), else computed in float32 (the result in x's dtype) from `fp32_from` > 0 rows
     (`cpu_features.fp32_gemm_min_rows`)."""
+    if kernel_rows and x.dim() == 2 and x.shape[0] <= kernel_rows and weight.is_contiguous():
+        return cpu_kernels.linear(x, weight, bias)
     if not fp32_from or x.shape[0] < fp32_from:
         return F.linear(x, weight, bias)
     return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from engine import cpu_kernels
 from engine.moe.backend import MoEBackend, register_moe_backend
 from engine.moe.paths import PATHS, grouped_mm, grouped_mm_supported, silu_and_mul
 from engine.moe.plan import MoEShape, choose_path
@@ -32,7 +33,11 @@ class LocalMoE(MoEBackend):
         """The path `forward` runs for x `[T, H]`; `compiling` defaults to whether torch.compile is tracing."""
         compiling = torch.compiler.is_compiling() if compiling is None else compiling
         return choose_path(self.shape, x.shape[0], top_k, x.dtype, x.is_cuda and triton_available(), compiling,
-                           grouped_mm_supported(x, self.w13, self.w2))
+                           grouped_mm_supported(x, self.w13, self.w2), self.cpu_kernel_ok(x))
+
+    def cpu_kernel_ok(self, x: torch.Tensor) -> bool:
+        """Whether Strata's CPU MoE kernel takes x with these weights (engine/cpu_kernels)."""
+        return cpu_kernels.usable(x, self.w13, self.w2)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         return self.run(self.path or self.choose(x, topk_ids.shape[1]), x, topk_ids, topk_weights.to(x.dtype))
@@ -50,7 +55,7 @@ class LocalMoE(MoEBackend):
         pairs = slot.numel()
         out = x.new_zeros(x.shape)                                                 # [R, H]
         path = self.path or choose_path(self.shape, pairs, 1, x.dtype, x.is_cuda and triton_available(), False,
-                                        grouped_mm_supported(x, self.w13, self.w2))
+                                        grouped_mm_supported(x, self.w13, self.w2), self.cpu_kernel_ok(x))
         if path != "grouped":
             return out.index_add_(0, row, self.run(path, x[row], slot.unsqueeze(1), weight.unsqueeze(1)))
         order = torch.argsort(slot, stable=True)                                   # [P] pairs by expert

@@ -14,6 +14,8 @@ over its k experts of `weight * down(silu(gate(x)) * up(x))`.
                                            projection: every active expert's weights read once
     padded    no          static           pairs scattered into `[E, T, H]` slots (capacity T), one bmm per
                                            projection (dense's FLOPs plus the scatter; needs distinct ids per row)
+    cpu       no          static           Strata's C++ kernel (engine/cpu_kernels): pairs sorted by expert, each
+                                           expert's weights read once against all its rows, fp32 accumulation
 
 The Triton kernel for CUDA lives in `triton_moe.py`.
 """
@@ -23,6 +25,8 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from engine import cpu_kernels
 
 MoEPathFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -162,6 +166,12 @@ def padded(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch
     return _combine(out, order, topk_weights, tokens)
 
 
+def cpu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor) -> torch.Tensor:
+    """Strata's CPU kernel (float32 or bfloat16, one dtype; `cpu_kernels.usable` says whether it runs here)."""
+    return cpu_kernels.moe(x, w13, w2, topk_ids, topk_weights)
+
+
 PATHS: dict[str, MoEPathFn] = {"loop": loop, "dense": dense, "gather": gather, "grouped": grouped,
-                               "padded": padded}
-SYNC_FREE = frozenset({"dense", "gather", "grouped", "padded", "triton"})
+                               "padded": padded, "cpu": cpu}
+SYNC_FREE = frozenset({"dense", "gather", "grouped", "padded", "triton", "cpu"})

@@ -65,18 +65,32 @@ class MoEShape(NamedTuple):
         return self.experts * 3 * self.hidden * self.inter * torch.finfo(dtype).bits // 8
 
 
+# NOTE: Strata's C++ kernel (engine/cpu_kernels, the `cpu` path) against the paths above, AVX2 AMD EPYC (Zen 3),
+# 1 thread, E=8 k=2 H=I=256, `moe_bench.py --parts paths --paths cpu,gather,grouped,loop` (us per layer): fp32
+# T=1 41-56 vs gather (compiled) 98-194 | T=8 157-213 vs 320-510 | T=32 610-850 vs 1250-1930 | T=64 1380-1830 vs
+# loop 2070-2760 | T=128 3400 vs grouped 2940 | T=256 5630 vs 4120 (torch's GEMMs keep their rate from ~32 rows
+# an expert, the kernel's tile does not); bf16 on that CPU (no native bf16) T=1 57 vs 164 | T=32 1007 vs loop
+# 4030 | T=1024 23.9 ms vs 106.6 (grouped) and 110.8 (loop): it reads bf16 and multiplies in fp32, which wins at
+# every size there. Not measured on a CPU with native bf16 GEMMs: there it takes the range where gather beat them.
+CPU_KERNEL_MAX_PAIRS_PER_EXPERT = {torch.float32: 16, torch.bfloat16: 4}
+
+
 def choose_path(shape: MoEShape, tokens: int, top_k: int, dtype: torch.dtype, triton_cuda: bool, compiling: bool,
-                grouped_ok: bool) -> str:
+                grouped_ok: bool, cpu_kernel: bool = False) -> str:
     """The path for T=`tokens`; when `compiling`, one with no host sync and static shapes (see `paths.SYNC_FREE`).
 
     `triton_cuda`: the weights are on CUDA and triton is installed (the fused kernels, eager and compiled, except at
     a few pairs per expert, where the grouped GEMM measured faster). `grouped_ok`: torch._grouped_mm takes these
-    dtypes and strides (on CUDA: this GPU).
+    dtypes and strides (on CUDA: this GPU). `cpu_kernel`: Strata's CPU kernel takes these tensors.
     """
     pairs_per_expert = tokens * top_k / shape.experts
     if triton_cuda:
         return "grouped" if grouped_ok and pairs_per_expert <= CUDA_GROUPED_MAX_PAIRS_PER_EXPERT else "triton"
     cached = shape.expert_bytes(dtype) <= CACHE_RESIDENT_BYTES
+    if cpu_kernel and dtype == torch.bfloat16 and not native_bf16_gemm():
+        return "cpu"
+    if cpu_kernel and pairs_per_expert <= CPU_KERNEL_MAX_PAIRS_PER_EXPERT.get(dtype, 0):
+        return "cpu"
     if dtype == torch.bfloat16 and not native_bf16_gemm():
         dtype = torch.float32        # bf16 GEMMs run as slow conversions here: the fp32 choices hold (see above)
     if compiling and pairs_per_expert <= GATHER_MAX_PAIRS_PER_EXPERT.get((cached, dtype), 2):

@@ -81,9 +81,20 @@ def decode_both(compiled: ModelRunner, eager: ModelRunner, prompts: list[list[in
 def test_compiled_decode_equals_eager_at_batch_1(checkpoint, name):
     ckpt = checkpoint(name)
     compiled, eager = runner_pair(ckpt.path, max_num_seqs=1)
+    assert compiled.compiled.attention.kernel      # Strata's CPU kernel (engine/cpu_kernels) attends here
     # 7 prompt tokens, 12 decode steps: crosses three block borders and (Mistral: window 5, Mixtral: 6) the window
     decode_both(compiled, eager, [tokens(7, seed=1)], steps=12)
     assert compiled.compiled.compilations == 1
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mistral"])
+def test_the_compiled_step_without_the_cpu_kernels_equals_eager(checkpoint, name, monkeypatch):
+    """The torch code the CPU kernels replace (engine/cpu_kernels: attention, MoE) still runs where they are
+    off: `STRATA_CPU_KERNELS=0`, or a machine where they did not build."""
+    monkeypatch.setenv("STRATA_CPU_KERNELS", "0")
+    compiled, eager = runner_pair(checkpoint(name).path, max_num_seqs=4)
+    assert not compiled.compiled.attention.kernel
+    decode_both(compiled, eager, [tokens(7, seed=3), tokens(4, seed=4), tokens(9, seed=5)], steps=8)
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe"])
