@@ -76,11 +76,13 @@ class ModelRunner:
         self.fingerprint, self.generation_config = loaded.fingerprint, loaded.generation_config
         self.device, self.dtype = torch.device(model_config.device), torch_dtype(model_config.dtype)
         if self.dtype == torch.bfloat16 and slow_half_gemm(self.dtype, self.device):
-            # NOTE: measured on an AVX2-only CPU (engine_throughput.py, 1 thread, bundled model, compiled): bf16 662
-            # and 1,050 tok/s at 1 and 32 requests, float32 865 and 2,205 (bf16 before its fixes: 152 and 163)
+            # NOTE: measured on an AVX2-only CPU (engine_throughput.py, 1 thread, bundled model, compiled): bf16 742
+            # and 2,052 tok/s at 1 and 32 requests with Strata's CPU kernels (662 and 1,050 without; 152 and 163
+            # before any of this), float32 573-805 and 2,648-2,998 in runs of the same session
             logger.warning("bfloat16 on a CPU without native bf16 (AVX-512 BF16 or AMX): torch's bf16 matrix products "
-                           "are slow here, so linear layers compute in float32 from 4 rows; --dtype float32 (the "
-                           "default) is still faster")
+                           "are slow here, so linear layers of up to 8 rows run Strata's CPU kernel "
+                           "(engine/cpu_kernels) and larger ones compute in float32; --dtype float32 (the default) is "
+                           "still faster at 32 concurrent requests")
         self.block_size = cache_config.block_size
         # the storage dtype: the model's ("auto"), or float8_e4m3fn / int8 with per-block, per-head scales
         self.kv_dtype = kv_storage_dtype(cache_config.kv_cache_dtype, model_config.dtype)

@@ -15,8 +15,9 @@ so a compiled graph calls them as opaque kernels.
 
 Why hand-written: at decode sizes the step's time is in small products that torch's GEMMs run far below the CPU's
 rate (MKL packs the weight on every call), and in an attention Inductor computes over the padded block table.
-Measured on an AVX2 AMD EPYC (1 thread, bundled model shapes, `benchmarks/moe_bench.py --parts kernels`):
-see docs/moe.md.
+Measured on an AVX2 AMD EPYC (1 thread, the bundled model): the MoE kernel against the other paths in
+engine/moe/plan.py (`benchmarks/moe_bench.py --parts paths`), attention in compiled_decode.py, the whole step in
+docs/moe.md ("Strata's CPU kernels").
 """
 from __future__ import annotations
 

@@ -210,7 +210,8 @@ at::Tensor moe(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
   const auto xt = x.scalar_type(), wt = w13.scalar_type();
   TORCH_CHECK(w2.scalar_type() == wt, "strata_cpu::moe: w13 and w2 must share a dtype");
   if (xt == at::kFloat && wt == at::kFloat) moe_impl<float, float>(xc, w13c, w2c, idc, wc, out);
-  else if (xt == at::kBFloat16 && wt == at::kBFloat16) moe_impl<at::BFloat16, at::BFloat16>(xc, w13c, w2c, idc, wc, out);
+  else if (xt == at::kBFloat16 && wt == at::kBFloat16)
+    moe_impl<at::BFloat16, at::BFloat16>(xc, w13c, w2c, idc, wc, out);
   else TORCH_CHECK(false, "strata_cpu::moe: float32 or bfloat16 only, got ", xt, " / ", wt);
   return out;
 }

@@ -65,14 +65,14 @@ class MoEShape(NamedTuple):
         return self.experts * 3 * self.hidden * self.inter * torch.finfo(dtype).bits // 8
 
 
-# NOTE: Strata's C++ kernel (engine/cpu_kernels, the `cpu` path) against the paths above, AVX2 AMD EPYC (Zen 3),
-# 1 thread, E=8 k=2 H=I=256, `moe_bench.py --parts paths --paths cpu,gather,grouped,loop` (us per layer): fp32
-# T=1 41-56 vs gather (compiled) 98-194 | T=8 157-213 vs 320-510 | T=32 610-850 vs 1250-1930 | T=64 1380-1830 vs
-# loop 2070-2760 | T=128 3400 vs grouped 2940 | T=256 5630 vs 4120 (torch's GEMMs keep their rate from ~32 rows
-# an expert, the kernel's tile does not); bf16 on that CPU (no native bf16) T=1 57 vs 164 | T=32 1007 vs loop
-# 4030 | T=1024 23.9 ms vs 106.6 (grouped) and 110.8 (loop): it reads bf16 and multiplies in fp32, which wins at
+# NOTE: Strata's C++ kernel (engine/cpu_kernels, the `cpu` path) against the paths above: AVX2 AMD EPYC (Zen 3),
+# 1 thread, `moe_bench.py --parts paths --shapes bundled --seconds 2` (4 layers of E=8 k=2 H=I=256 competing for
+# cache, us per layer, kernel eager vs the best other path): fp32 T=1 187 vs gather (compiled) 226 | T=8 696 vs 854
+# | T=32 1170 vs 2020 | T=64 1958 vs grouped 2310 | T=128 3213 vs 3628 | T=256 5292 vs 4317 | T=512 8601 vs 7316
+# (torch's GEMMs keep their rate from ~64 rows an expert, the kernel's tile does not); bf16 there (no native bf16)
+# T=1 166 vs 221 | T=32 1069 vs 3899 | T=128 2890 vs 9689: it reads bf16 and multiplies in fp32, which wins at
 # every size there. Not measured on a CPU with native bf16 GEMMs: there it takes the range where gather beat them.
-CPU_KERNEL_MAX_PAIRS_PER_EXPERT = {torch.float32: 16, torch.bfloat16: 4}
+CPU_KERNEL_MAX_PAIRS_PER_EXPERT = {torch.float32: 32, torch.bfloat16: 4}
 
 
 def choose_path(shape: MoEShape, tokens: int, top_k: int, dtype: torch.dtype, triton_cuda: bool, compiling: bool,

@@ -133,7 +133,7 @@ def test_decode_attention_names_a_length_outside_the_table():
 def test_the_plan_takes_the_kernel_where_it_measured_faster(monkeypatch):
     shape = MoEShape(8, 256, 256)
     pick = lambda tokens, dtype: choose_path(shape, tokens, 2, dtype, False, True, True, True)  # noqa: E731
-    assert [pick(t, torch.float32) for t in (1, 8, 32, 64, 65, 256)] == ["cpu"] * 4 + ["grouped"] * 2
+    assert [pick(t, torch.float32) for t in (1, 8, 32, 128, 129, 256)] == ["cpu"] * 4 + ["grouped"] * 2
     monkeypatch.setenv("STRATA_NATIVE_BF16", "0")        # bf16 multiplied by conversion: the kernel at every size
     assert {pick(t, torch.bfloat16) for t in (1, 32, 1024)} == {"cpu"}
     monkeypatch.setenv("STRATA_NATIVE_BF16", "1")        # native bf16 GEMMs: only where gather beat them
