@@ -3,6 +3,8 @@
     strata_cpu::moe(x, w13, w2, topk_ids, topk_weights)            the `cpu` MoE path (engine/moe/paths.py)
     strata_cpu::linear(x, w, bias)                                  bf16 linear layers of a few rows on a CPU
                                                                     without native bf16 (engine/models/layers.py)
+    strata_cpu::int8_linear(x, q, scale, bias)                      int8 weight-only layers of a few rows
+                                                                    (engine/quant/linear.py: Int8Linear)
     strata_cpu::decode_attention(q, cache, layer, tables, lengths, scale, window)
                                                                     the compiled decode step's attention
 
@@ -112,6 +114,10 @@ def _register_fakes() -> None:
     def _linear(x, w, bias):
         return x.new_empty(x.shape[0], w.shape[0])
 
+    @torch.library.register_fake("strata_cpu::int8_linear")
+    def _int8_linear(x, q, scale, bias):
+        return x.new_empty(x.shape[0], q.shape[0])
+
     @torch.library.register_fake("strata_cpu::decode_attention")
     def _attention(q, cache, layer, tables, lengths, scale, window):
         return torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -140,6 +146,24 @@ def linear_max_rows(dtype: torch.dtype, device: torch.device) -> int:
     """Rows up to which a linear layer of `dtype` on `device` (weights stored by rows) runs `linear`; 0: never."""
     from engine.cpu_features import slow_half_gemm
     return LINEAR_MAX_ROWS if dtype == torch.bfloat16 and slow_half_gemm(dtype, device) and available() else 0
+
+
+def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ (q * scale).T (+ bias)` for x `[M, K]`, q `[N, K]` int8 stored by rows, scale `[N]`; fp32 accumulation,
+    x's dtype out (x is not rounded to bf16 first, as torch's int8 kernel needs)."""
+    return torch.ops.strata_cpu.int8_linear(x, q, scale, bias)
+
+
+# NOTE: against torch._weight_int8pack_mm in bf16 (what Int8Linear ran), AVX2 AMD EPYC, 1 thread, us, [M, K] x
+# [K, N]: K=1024 N=3072 M=1 287 vs 413, M=4 753 vs 893, M=8 1256 vs 1786, M=16 2449 vs 2508; K=4096 N=1024 M=1 355
+# vs 540, M=16 2121 vs 3116 (its int8 reads run at 10-12 GB/s at one row). Used at every size, so that a layer's
+# numbers never depend on how many rows share its batch. Not on a CPU with native bf16, where torch's kernel
+# computes in bf16 natively (not measured there).
+def int8_kernel(device: torch.device) -> bool:
+    """Whether int8 weight-only layers on `device` run `int8_linear` (a CPU without native bf16 GEMMs)."""
+    from engine.cpu_features import native_bf16_gemm
+    return device.type == "cpu" and not native_bf16_gemm() and available()
 
 
 ATTENTION_HEAD_DIMS = (16, 32, 64, 128, 256)     # the head sizes decode_attention is built for

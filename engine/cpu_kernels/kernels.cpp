@@ -30,6 +30,15 @@ inline vf load(const at::BFloat16* p) {
   vu u = __builtin_convertvector(h, vu) << 16;
   vf v; std::memcpy(&v, &u, sizeof(v)); return v;
 }
+typedef int8_t vb __attribute__((vector_size(VL)));
+inline vf load(const int8_t* p) {
+#if defined(__AVX2__)
+  return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  vb b; std::memcpy(&b, p, sizeof(b));
+  return __builtin_convertvector(b, vf);
+#endif
+}
 inline float hsum(vf v) {
   float s = 0.f;
   for (int i = 0; i < VL; ++i) s += v[i];
@@ -59,6 +68,7 @@ inline vf vexp(vf x) {
 
 inline float to_float(float x) { return x; }
 inline float to_float(at::BFloat16 x) { return static_cast<float>(x); }
+inline float to_float(int8_t x) { return static_cast<float>(x); }
 
 // The lane sums of up to 4 vectors, written to out[0 .. n).
 inline void hsum4(const vf* v, int n, float* out, int64_t stride) {
@@ -245,6 +255,22 @@ inline void prefetch_keys(const C* const* rows, int64_t count, int64_t D) {
     for (int64_t d = 0; d < D; d += 64 / static_cast<int64_t>(sizeof(C))) __builtin_prefetch(rows[j] + d);
 }
 
+// y [M, N] = (x [M, K] x q [N, K]^T) * scale [N] (+ bias): int8 weights, per output channel (W8A16's layout),
+// fp32 accumulation; y in x's dtype.
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                       const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && x.size(1) == q.size(1) && q.scalar_type() == at::kChar,
+              "strata_cpu::int8_linear: x [M, K], q [N, K] int8");
+  TORCH_CHECK(q.is_contiguous() && scale.numel() == q.size(0), "strata_cpu::int8_linear: q by rows, scale [N]");
+  const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
+  auto xf = x.to(at::kFloat).contiguous();
+  auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  gemm_nt_parallel(xf.data_ptr<float>(), K, M, q.data_ptr<int8_t>(), K, N, K, y.data_ptr<float>(), N);
+  y.mul_(scale.to(at::kFloat).reshape({1, N}));
+  if (bias.has_value()) y.add_(bias->to(at::kFloat));
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
 // q . k for one query (NV vectors of D, pre-scaled, fp32) against 4 keys; the sums written to out[0..4).
 template <int NV, typename C>
 inline void dots4(const float* q, const C* const* keys, float* out) {
@@ -363,6 +389,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& cache, int64_
 
 TORCH_LIBRARY(strata_cpu, m) {
   m.def("linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor q, Tensor scale, Tensor? bias) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor cache, int layer, Tensor tables, Tensor lengths, float scale, "
         "int window) -> Tensor");
   m.def("moe(Tensor x, Tensor w13, Tensor w2, Tensor topk_ids, Tensor topk_weights) -> Tensor");
@@ -371,5 +398,6 @@ TORCH_LIBRARY(strata_cpu, m) {
 TORCH_LIBRARY_IMPL(strata_cpu, CPU, m) {
   m.impl("moe", &moe);
   m.impl("linear", &linear);
+  m.impl("int8_linear", &int8_linear);
   m.impl("decode_attention", &decode_attention);
 }

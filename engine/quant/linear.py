@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import cpu_kernels
 from engine.quant.dequant_tables import dequant_table, mxfp4_dequant
 from engine.quant.kernels import (fp8_mm_cpu, fp8_mm_cuda, int4_mm_cpu, int4_mm_cuda, int8_mm, int_kernel_dtype,
                                   mxfp4_mm_cuda)
@@ -81,11 +82,15 @@ class Int8Linear(QuantLinear):
         n, k = qw.shape
         super().__init__(n, k, bias, dtype, device, qw.perm)
         self.kernel_dtype = int_kernel_dtype(dtype, torch.device(device))
+        self.kernel = cpu_kernels.int8_kernel(torch.device(device))     # Strata's CPU kernel: fp32 scales and sums
         self.register_buffer("q", qw.q.to(device=device, dtype=torch.int8).contiguous())  # [n, k]
-        # NOTE: the kernel wants the scales in its activation dtype (and Inductor wants them stored so).
-        self.register_buffer("scale", qw.scale.reshape(n).to(device=device, dtype=self.kernel_dtype))  # [n]
+        # NOTE: torch's kernel wants the scales in its activation dtype (and Inductor wants them stored so).
+        scale_dtype = torch.float32 if self.kernel else self.kernel_dtype
+        self.register_buffer("scale", qw.scale.reshape(n).to(device=device, dtype=scale_dtype))  # [n]
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel:
+            return cpu_kernels.int8_linear(x, self.q, self.scale)          # x unrounded, fp32 sums and scales
         return int8_mm(x.to(self.kernel_dtype), self.q, self.scale).to(x.dtype)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor | None:

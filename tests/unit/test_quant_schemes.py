@@ -17,6 +17,8 @@ import logging
 import pytest
 import torch
 
+from engine import cpu_kernels
+
 import engine.quant.linear as linear_module
 from engine.config import quantization_label
 from engine.quant.kernels import fp8_mm_cuda, int4_mm_cuda, mxfp4_mm_cuda, quantize_per_token
@@ -182,7 +184,7 @@ def test_quantized_linear_equals_the_dequantized_reference(name, dtype):
     assert_close(out, reference(name, x, qw, module.bias), REL_TOL[torch.bfloat16 if bf16_kernel else dtype])
 
 
-@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("name", ["int4"] if cpu_kernels.int8_kernel(torch.device("cpu")) else ["int8", "int4"])
 def test_int_cpu_kernels_compute_in_bf16(name):
     """float32 activations: bf16(bf16(x) @ W.T) with W's scales (int4: torch's float zeros too) in bf16, exactly."""
     qw = make_scheme(name, 64).quantize(make_weight())
@@ -196,6 +198,20 @@ def test_int_cpu_kernels_compute_in_bf16(name):
     out = quantized_linear(qw, None, torch.float32, "cpu")(x)
     assert out.dtype == torch.float32
     assert torch.equal(out, (x.bfloat16().float() @ w.T).bfloat16().float())
+
+
+def test_int8_runs_strata_cpu_kernel_in_fp32_where_torch_would_round_to_bf16():
+    """On a CPU without native bf16 an int8 layer runs `cpu_kernels.int8_linear`: x @ (q * scale).T with the
+    activations, scales and sums in fp32 (torch's kernel rounds x, the scales and the output to bf16), as fast or
+    faster (engine/cpu_kernels)."""
+    qw = make_scheme("int8", 64).quantize(make_weight())
+    module = quantized_linear(qw, None, torch.float32, "cpu")
+    x = make_input(7)
+    want = x @ (qw.q.float() * qw.scale.float().reshape(-1, 1)).T
+    if not module.kernel:
+        pytest.skip("this CPU multiplies bf16 natively: int8 runs torch's bf16 kernel (the test above)")
+    torch.testing.assert_close(module(x), want, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(module(x[:1]), want[:1], rtol=1e-5, atol=1e-4)   # one row: the same numbers
 
 
 def test_int4_symmetric_weight_runs_with_zero_point_8():
