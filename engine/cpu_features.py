@@ -42,7 +42,8 @@ def fp32_gemm_min_rows(dtype: torch.dtype, device: torch.device) -> int:
     call costs its bytes twice over, which small batches (weight-bound) lose. Measured in the compiled step of the
     bundled model on an AVX2 EPYC (`decode_step_profile.py --dtype bfloat16 --env-ab STRATA_FP32_GEMM_MIN_ROWS=0`,
     converting from 1 row against never, 5 interleaved rounds): batch 1 0.87x, 2 0.73x, 4 1.13x, 8 1.15x, 32
-    1.46x. `$STRATA_FP32_GEMM_MIN_ROWS` overrides the threshold."""
+    1.46x. `$STRATA_FP32_GEMM_MIN_ROWS` overrides the threshold. Where Strata's CPU kernels built, layers of up to
+    `cpu_kernels.LINEAR_MAX_ROWS` rows run the bf16 kernel before this rule applies (`layers.linear`)."""
     if not slow_half_gemm(dtype, device):
         return 0
     value = os.environ.get(ENV_FP32_ROWS, "").strip()

@@ -104,6 +104,11 @@ class RouterLink:
             log.info("router %s drains this worker", self.address)
             self.draining = True
             self._on_drain()
+        elif answer.state == common_pb2.WORKER_STATE_READY and self.draining:
+            # NOTE: our Drain did not reach the router (its call timed out on a loaded machine, seen in CI): the
+            # router still routes here, so ask again on every beat until it says DRAINING
+            log.info("router %s still routes to this draining worker: asking it to drain again", self.address)
+            self._call("Drain", router_pb2.DrainRequest(worker_id=self.worker_id))
 
     # ---- shutdown -------------------------------------------------------------------------------------------------
 

@@ -58,6 +58,7 @@ def test_a_decode_worker_told_to_stop_finishes_its_streams_and_leaves_routing():
         deadline = time.monotonic() + 30
         while states(client).get("decode-0") == common_pb2.WORKER_STATE_READY and time.monotonic() < deadline:
             time.sleep(0.1)
+        assert states(client).get("decode-0") != common_pb2.WORKER_STATE_READY, "decode-0 still routed to after 30 s"
         for i in range(3):
             out = client.generate(f"while draining {i}", max_tokens=4, include_metrics=True)
             assert out.metrics.decode_worker_id == "decode-1"
