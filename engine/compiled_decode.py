@@ -397,8 +397,10 @@ class CompiledDecode:
                  tables: torch.Tensor, positions: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
         span = tables.shape[1] * self.block_size
         offsets = positions % self.block_size if self.quantized else None
-        masks = {} if self.attention.kernel else _window_masks(positions, span, self.windows)
-        meta = GraphMeta(rows, tables, masks, offsets, positions + 1)
+        if self.attention.kernel:         # the kernel bounds each row by its length: no masks
+            meta = GraphMeta(rows, tables, {}, offsets, positions + 1)
+        else:
+            meta = GraphMeta(rows, tables, _window_masks(positions, span, self.windows), offsets)
         caches = [(flat, i) for i in range(len(self.model.layers))]
         hidden = self.model(input_ids, cos, sin, self.attention, caches, meta)   # [B, H]
         return self.model.logits(hidden), hidden                                 # [B, V] float32, [B, H]

@@ -1,4 +1,5 @@
-"""Strata's CPU kernels (`kernels.cpp`): the decode step's sparse MoE and paged decode attention, as torch ops.
+"""Strata's CPU kernels (`kernels.cpp`): the decode step's sparse MoE, paged decode attention and small linear
+layers, as torch ops.
 
     strata_cpu::moe(x, w13, w2, topk_ids, topk_weights)            the `cpu` MoE path (engine/moe/paths.py)
     strata_cpu::linear(x, w, bias)                                  bf16 linear layers of a few rows on a CPU
@@ -12,7 +13,7 @@ Built on first use with the C++ compiler torch.compile already needs (`-O3 -marc
 CPU's own: AVX2 or AVX-512), cached on disk under `$STRATA_COMPILE_CACHE/../cpu_kernels` or
 `~/.cache/strata/cpu_kernels` (one folder per source, torch version and CPU), so a restart loads it in
 milliseconds. Where it cannot be built (no compiler, no ninja) the engine logs why once and runs the torch code
-it ran before; `STRATA_CPU_KERNELS=0` turns the kernels off. Both ops are registered with fake implementations,
+it ran before; `STRATA_CPU_KERNELS=0` turns the kernels off. Every op is registered with a fake implementation,
 so a compiled graph calls them as opaque kernels.
 
 Why hand-written: at decode sizes the step's time is in small products that torch's GEMMs run far below the CPU's
@@ -82,7 +83,7 @@ def build_dir() -> Path:
 
 
 def _load() -> bool:
-    if hasattr(torch.ops, "strata_cpu") and hasattr(torch.ops.strata_cpu, "moe"):
+    if hasattr(torch.ops.strata_cpu, "moe"):
         return True                    # loaded by another copy of this module (tests reload it)
     from torch.utils import cpp_extension
     folder = build_dir()

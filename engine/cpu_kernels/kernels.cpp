@@ -71,7 +71,7 @@ inline float to_float(at::BFloat16 x) { return static_cast<float>(x); }
 inline float to_float(int8_t x) { return static_cast<float>(x); }
 
 // The lane sums of up to 4 vectors, written to out[0 .. n).
-inline void hsum4(const vf* v, int n, float* out, int64_t stride) {
+inline void hsum4(const vf* v, int n, float* out) {
 #if defined(__AVX__)
   __m256 a = (__m256)v[0], b = n > 1 ? (__m256)v[1] : _mm256_setzero_ps();
   __m256 c = n > 2 ? (__m256)v[2] : _mm256_setzero_ps(), d = n > 3 ? (__m256)v[3] : _mm256_setzero_ps();
@@ -79,9 +79,9 @@ inline void hsum4(const vf* v, int n, float* out, int64_t stride) {
   __m128 r = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
   float s[4];
   _mm_storeu_ps(s, r);
-  for (int i = 0; i < n; ++i) out[i * stride] = s[i];
+  for (int i = 0; i < n; ++i) out[i] = s[i];
 #else
-  for (int i = 0; i < n; ++i) out[i * stride] = hsum(v[i]);
+  for (int i = 0; i < n; ++i) out[i] = hsum(v[i]);
 #endif
 }
 
@@ -99,7 +99,7 @@ inline void tile(const float* A, int64_t lda, const W* Wp, int64_t ldw, int64_t 
     for (int m = 0; m < MR; ++m)
       for (int n = 0; n < NR; ++n) acc[m][n] += a[m] * w[n];
   }
-  for (int m = 0; m < MR; ++m) hsum4(acc[m], NR, C + m * ldc, 1);
+  for (int m = 0; m < MR; ++m) hsum4(acc[m], NR, C + m * ldc);
   if (k < K)
     for (int m = 0; m < MR; ++m)
       for (int n = 0; n < NR; ++n)
@@ -279,7 +279,7 @@ inline void dots4(const float* q, const C* const* keys, float* out) {
     vf x = load(q + i * VL);
     for (int j = 0; j < 4; ++j) acc[j] += x * load(keys[j] + i * VL);
   }
-  hsum4(acc, 4, out, 1);
+  hsum4(acc, 4, out);
 }
 
 // One decode token per sequence over its paged K/V: out [B, Hq, D] = softmax(q k^T * scale) v, keys 0 .. len-1
